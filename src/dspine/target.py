@@ -122,7 +122,7 @@ class TargetCache:
         if length > have:
             raise ValueError(f"cannot commit {length} positions: cache holds {have}")
         if length < have:
-            self.kv.crop(length)
+            self.kv.crop(length - have)  # transformers 5: negative = tokens to remove
         self.length = length
 
     def nbytes(self) -> int:

@@ -1,0 +1,136 @@
+"""Command-line entry ``dspine`` (generate, and the subcommands other modules add).
+
+Contract of ``dspine generate`` (issue 2): streams text to stdout; ``--json`` prints
+one JSON object with ``text``, ``token_ids``, ``mode`` and ``stats``. Bad settings
+exit with code 2 and a one-line error naming the setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
+
+
+def default_drafter_path(target: str, mode: str) -> Path | None:
+    """Shipped drafter for a named target and mode, or None when none is shipped."""
+    p = DEFAULT_CHECKPOINTS / f"{target}-{mode}"
+    return p if (p / "config.json").exists() else None
+
+
+def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = "float32",
+                 block_size: int | None = None, seed: int = 0, device: str = "cpu"):
+    """Load target + drafter for ``mode`` and return ``(target, engine)``.
+
+    ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
+    the shipped default of the target and mode.
+    Raises:
+        ValueError subclasses naming the setting (target, drafter, block size, mode).
+    """
+    import torch
+
+    from .draft import DrafterProposer, load_drafter, random_drafter
+    from .engine import MODES, Engine, EngineError
+    from .target import load_target, parse_dtype
+
+    if mode not in MODES:
+        raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
+    dt = parse_dtype(dtype)
+    target = load_target(target_name, dtype=dt, device=device)
+    if mode == "ar":
+        return target, Engine(target, None, "ar")
+    if drafter is None:
+        path = default_drafter_path(target_name, mode)
+        if path is None:
+            raise EngineError(f"no shipped {mode} drafter for --target {target_name!r}; pass "
+                              f"--drafter PATH (a trained checkpoint) or --drafter random")
+        drafter = str(path)
+    if drafter == "random":
+        model = random_drafter(target, mode=mode, block_size=block_size or 16, seed=seed, dtype=dt)
+    else:
+        model = load_drafter(drafter, target, dtype=dt, block_size=block_size)
+        want_bridge = mode == "dspine"
+        if model.cfg.bridge != want_bridge:
+            raise EngineError(f"--mode {mode} does not match drafter {drafter} "
+                              f"(trained as {model.cfg.mode})")
+    with torch.no_grad():
+        return target, Engine(target, DrafterProposer(model), mode)
+
+
+def cmd_generate(args) -> int:
+    from .config import SamplingConfig
+
+    target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
+                                  args.seed, args.device)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, seed=args.seed)
+    ids = target.encode_prompt(args.prompt, chat=args.chat)
+    stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    res = engine.generate(ids, sampling, args.max_new_tokens, stop=args.stop, on_text=stream)
+    if args.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "mode": res.mode,
+                          "finish_reason": res.finish_reason, "target": args.target,
+                          "stats": res.stats.to_dict()}))
+    else:
+        sys.stdout.write("\n")
+        st = res.stats
+        print(f"[{res.mode}] {st.output_tokens} tokens, tau {st.accepted_length_mean:.2f}, "
+              f"{st.tokens_per_second:.1f} tok/s, TTFT {st.ttft_s:.2f}s", file=sys.stderr)
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    p.add_argument("prompt")
+    p.add_argument("--target", default="smollm2-135m", help="target name, HF dir, .gguf, or random:<arch>")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")
+    p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
+    p.add_argument("--chat", action="store_true", help="apply the target's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+    p.set_defaults(func=cmd_generate)
+
+
+def _optional_parsers(sub) -> None:
+    """Subcommands contributed by other modules (added when present)."""
+    import importlib
+
+    for mod, fn in (("dspine.data.build", "add_data_parser"), ("dspine.train.cli", "add_train_parser"),
+                    ("dspine.bench.cli", "add_bench_parser"), ("dspine.serve.cli", "add_serve_parser"),
+                    ("dspine.memory", "add_memory_parser")):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and (e.name == mod or mod.startswith(e.name + ".") or e.name.startswith(mod)):
+                continue
+            raise
+        getattr(m, fn)(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. Returns the exit code (2 for bad settings)."""
+    parser = argparse.ArgumentParser(prog="dspine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    _optional_parsers(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:  # our errors subclass ValueError
+        print(f"dspine: error: {e}".splitlines()[0], file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Drafting at run time: draft context K/V cache, proposers and checkpoints.
+
+A *proposer* turns (anchor, accepted context) into a block of proposals and the
+distribution q they were drawn from. :class:`DrafterProposer` runs the DSpine or
+DFlash-style drafter; tests add oracle and always-wrong proposers with the same
+interface (:class:`Proposer`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, DSpineConfig, SamplingConfig
+from .final_stage import QuantizedHead, candidates, chain, conditional_tables
+from .model import DSpineDrafter
+from .sampling import filter_probs, sample_index, uniform
+
+
+class DrafterError(ValueError):
+    """A drafter checkpoint is missing, corrupt or does not fit the target/settings."""
+
+
+class DraftContextCache:
+    """Draft context K/V of one request, bounded to ``window`` positions (ring buffer).
+
+    Holds per layer k, v [kv, cap, hd] (RoPE applied), absolute positions [cap] and a
+    valid mask; ``cap`` grows by doubling up to ``window``, after which the oldest
+    positions are overwritten (memory stays flat past the window, spec section 7).
+    """
+
+    def __init__(self, num_layers: int, window: int):
+        self.L, self.window = num_layers, window
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.pos: torch.Tensor | None = None  # [cap] int64
+        self.valid: torch.Tensor | None = None  # [cap] bool
+        self.written = 0  # positions ever appended
+
+    def _grow(self, need: int, like: torch.Tensor) -> None:
+        cap = 0 if self.pos is None else self.pos.shape[0]
+        if need <= cap:
+            return
+        new = min(self.window, max(need, 2 * cap, 64))
+        kv, hd = like.shape[0], like.shape[-1]  # like: [kv, n, hd]
+        for lst in (self.k, self.v):
+            for l in range(len(lst)):
+                t = lst[l].new_zeros(kv, new, hd)
+                t[:, :cap] = lst[l]
+                lst[l] = t
+            if not lst:
+                lst.extend(like.new_zeros(kv, new, hd) for _ in range(self.L))
+        pos = torch.full((new,), -1, dtype=torch.long, device=like.device)
+        valid = torch.zeros(new, dtype=torch.bool, device=like.device)
+        if cap:
+            pos[:cap], valid[:cap] = self.pos, self.valid
+        self.pos, self.valid = pos, valid
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], pos: torch.Tensor) -> None:
+        """Commit K/V of accepted positions: per layer (k, v) [1, kv, n, hd]; pos [n]."""
+        n = pos.shape[0]
+        if n == 0:
+            return
+        if n > self.window:  # only the last `window` positions can ever be read
+            kv = [(k[:, :, -self.window:], v[:, :, -self.window:]) for k, v in kv]
+            pos, n = pos[-self.window:], self.window
+        self._grow(min(self.window, self.written + n), kv[0][0][0])
+        cap = self.pos.shape[0]
+        idx = (self.written + torch.arange(n, device=pos.device)) % cap  # [n]
+        for l, (k, v) in enumerate(kv):
+            self.k[l][:, idx] = k[0].to(self.k[l].dtype)
+            self.v[l][:, idx] = v[0].to(self.v[l].dtype)
+        self.pos[idx] = pos
+        self.valid[idx] = True
+        self.written += n
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def as_batch(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """(per-layer (k, v) [1, kv, cap, hd], pos [1, cap], valid [1, cap])."""
+        return ([(k[None], v[None]) for k, v in zip(self.k, self.v)], self.pos[None], self.valid[None])
+
+
+@dataclass
+class Proposal:
+    """One block of proposals for one request.
+
+    tokens [n] int64; q_ids [n, K] (sparse) or None (dense / greedy);
+    q_probs [n, K] or [n, V] float64, or None for greedy. Times in seconds.
+    """
+
+    tokens: torch.Tensor
+    q_ids: torch.Tensor | None = None
+    q_probs: torch.Tensor | None = None
+    draft_s: float = 0.0
+    final_s: float = 0.0
+
+
+class Proposer:
+    """Interface of a drafter at run time (one state object per request)."""
+
+    block_size: int = 16
+    needs_features: bool = True
+
+    def new_state(self, prompt_ids: list[int]):
+        return None
+
+    def commit(self, state, features: torch.Tensor, start_pos: int) -> None:
+        """Add features [n, F*d] of accepted positions start_pos..start_pos+n-1."""
+
+    def propose(self, state, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,
+                gen: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+
+class DrafterProposer(Proposer):
+    """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
+
+    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True):
+        self.drafter = drafter.eval()
+        self.cfg = drafter.cfg
+        self.block_size = self.cfg.block_size
+        self.feature_layers = list(self.cfg.feature_layers)
+        self.qhead = QuantizedHead(drafter.head) if (self.cfg.final_stage and use_quantized_head) else None
+
+    def new_state(self, prompt_ids):
+        return DraftContextCache(self.cfg.num_layers, self.cfg.window)
+
+    @torch.no_grad()
+    def commit(self, state: DraftContextCache, features: torch.Tensor, start_pos: int) -> None:
+        n = features.shape[0]
+        if n == 0:
+            return
+        if n > self.cfg.window:
+            features, start_pos, n = features[-self.cfg.window:], start_pos + n - self.cfg.window, self.cfg.window
+        pos = torch.arange(start_pos, start_pos + n, device=features.device)
+        state.append(self.drafter.context_kv(features[None], pos[None]), pos)
+
+    @torch.no_grad()
+    def propose(self, state: DraftContextCache, anchor: int, anchor_pos: int, n: int,
+                sampling: SamplingConfig, gen) -> Proposal:
+        d = self.drafter
+        t0 = time.perf_counter()
+        dev = d.fc.weight.device
+        kv, cpos, cvalid = state.as_batch()
+        a = torch.tensor([[anchor]], device=dev)
+        out = d.forward_blocks(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid)
+        t1 = time.perf_counter()
+        if n == 0:
+            return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)
+        if self.cfg.final_stage:
+            x = d.norm_f(out.h[0, 0, 1:n + 1])  # [n, d]
+            cand = candidates(d, x, self.cfg.head_topk, self.cfg.coarse_k, self.qhead)  # [n, K]
+            B1 = self.cfg.block_size
+            T = conditional_tables(d, out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1],
+                                   a[:, 0], cand[None])[0]  # [n, K, K]
+            ch = chain(T, cand, n, sampling, gen)
+            t2 = time.perf_counter()
+            return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
+        z = d.logits(out.h[0, 0, 1:n + 1]).float()  # [n, V]
+        if sampling.greedy:
+            toks = torch.argmax(z, dim=-1).cpu()
+            return Proposal(toks, draft_s=time.perf_counter() - t0)
+        q = filter_probs(z, sampling).cpu()  # [n, V] dense q
+        toks = torch.tensor([sample_index(q[i], uniform(gen)) for i in range(n)])
+        return Proposal(toks, None, q, draft_s=time.perf_counter() - t0)
+
+
+# -- checkpoints ----------------------------------------------------------------------
+def save_drafter(drafter: DSpineDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                 extra: dict | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (weights cast to ``dtype``)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors.tmp"), metadata={"format": "pt", **{k: str(v) for k, v in (extra or {}).items()}})
+    (out / "model.safetensors.tmp").replace(out / "model.safetensors")
+    (out / "config.json").write_text(drafter.cfg.to_json())
+    return out
+
+
+def load_drafter(path: str | Path, target=None, dtype: torch.dtype = torch.float32,
+                 block_size: int | None = None) -> DSpineDrafter:
+    """Load and validate a checkpoint directory against ``target`` (if given).
+
+    Raises:
+        DrafterError: missing/corrupt file, a tensor whose shape differs from the
+            config, hidden/vocab/feature-layer mismatch with the target, or a
+            ``block_size`` different from the checkpoint's.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise DrafterError(f"--drafter {path}: no config.json (expected a directory with "
+                           f"config.json and model.safetensors)")
+    if not (p / "model.safetensors").is_file():
+        raise DrafterError(f"--drafter {path}: model.safetensors is missing")
+    try:
+        cfg = DSpineConfig.load(p)
+    except ConfigError as e:
+        raise DrafterError(f"--drafter {path}: {e}") from None
+    if block_size is not None and block_size != cfg.block_size:
+        raise DrafterError(f"--block-size {block_size} differs from the checkpoint's block size "
+                           f"{cfg.block_size}; a drafter runs only at its trained block size")
+    if target is not None:
+        check_fits_target(cfg, target, where=f"--drafter {path}")
+    try:
+        sd = load_file(str(p / "model.safetensors"))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise DrafterError(f"--drafter {path}: model.safetensors is corrupt or unreadable ({e})") from None
+    model = DSpineDrafter(cfg)
+    want = model.state_dict()
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise DrafterError(f"--drafter {path}: tensors missing {missing[:5]} / unexpected {unexpected[:5]}")
+    for k, v in want.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise DrafterError(f"--drafter {path}: tensor {k} has shape {tuple(sd[k].shape)}, "
+                               f"config expects {tuple(v.shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
+    model = model.to(dtype)
+    if target is not None:
+        model.bind_target(target.input_embeddings(), target.output_head())
+    return model.eval()
+
+
+def check_fits_target(cfg: DSpineConfig, target, where: str = "drafter") -> None:
+    """Raise DrafterError when cfg's hidden size, vocabulary or feature layers do not fit."""
+    if cfg.target_hidden != target.hidden_size:
+        raise DrafterError(f"{where}: drafter hidden size {cfg.target_hidden} != target "
+                           f"{target.name!r} hidden size {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        raise DrafterError(f"{where}: drafter vocabulary {cfg.vocab_size} != target "
+                           f"{target.name!r} vocabulary {target.vocab_size}")
+    bad = [l for l in cfg.feature_layers if l >= target.num_layers]
+    if bad:
+        raise DrafterError(f"{where}: feature layers {bad} do not exist in target {target.name!r} "
+                           f"({target.num_layers} layers)")
+
+
+def random_drafter(target, mode: str = "dspine", block_size: int = 16, seed: int = 0,
+                   dtype: torch.dtype = torch.float32, **overrides) -> DSpineDrafter:
+    """An untrained drafter for ``target`` (seeded), for tests and debugging."""
+    cfg = DSpineConfig.for_target(target, mode=mode, block_size=block_size, **overrides)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = DSpineDrafter(cfg)
+    model = model.to(dtype)
+    return model.bind_target(target.input_embeddings(), target.output_head()).eval()
+
+
+def read_card(path: str | Path) -> dict:
+    """The checkpoint's ``card.json`` metadata, or {} when absent."""
+    f = Path(path) / "card.json"
+    return json.loads(f.read_text()) if f.exists() else {}

@@ -1,0 +1,315 @@
+"""Decoding engine: prefill, then draft -> verify -> commit cycles (spec sections 1, 5, 6).
+
+Modes: ``ar`` (plain target loop: each cycle verifies zero proposals and samples one
+token with the plain sampler), ``dflash`` and ``dspine`` (a drafter proposes a block,
+the target verifies it in one forward). All modes share this loop, the sampler and
+the stop logic, so the baseline and speculation differ only in the proposer.
+
+State lives in :class:`Request` objects (target cache, draft context cache,
+generator, counters), so a batch of requests with ragged accepted lengths is a list
+of states; :meth:`Engine.step` advances one request by one cycle.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .config import SamplingConfig
+from .draft import Proposal, Proposer
+from .sampling import filter_probs, make_generator, sample_index, sample_token, uniform
+from .target import Target, TargetCache
+from .verify import Verdict, verify
+
+MODES = ("ar", "dflash", "dspine")
+
+
+class EngineError(ValueError):
+    """A request setting the engine refuses (the message names it)."""
+
+
+@dataclass
+class CycleRecord:
+    """One cycle: verification length n, tokens emitted (accepted + 1), times (s)."""
+
+    n: int
+    emitted: int
+    draft_s: float
+    final_s: float
+    verify_s: float
+    total_s: float
+
+
+@dataclass
+class GenerationStats:
+    """Per-request statistics. Times in seconds, memory in bytes, counts in tokens.
+
+    ``accepted_length_mean`` is tau: tokens emitted per cycle, bonus/correction
+    included. ``accepted_per_position[k-1]`` is the fraction of cycles that drafted
+    position k in which position k was accepted.
+    """
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cycles: int = 0
+    accepted_length_mean: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)
+    tokens_per_second: float = 0.0  # output tokens after the first / decode time
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    draft_s: float = 0.0
+    final_stage_s: float = 0.0
+    verify_s: float = 0.0
+    peak_memory_bytes: int = 0
+    verification_lengths: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Request:
+    """State of one request (everything a cycle reads or commits)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    stop: list[str]
+    gen: torch.Generator
+    cache: TargetCache
+    draft_state: object
+    out_ids: list[int] = field(default_factory=list)
+    anchor: int = -1  # last emitted token; not yet processed by the target
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+    cycles: list[CycleRecord] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the anchor (= committed target positions)."""
+        return self.cache.length
+
+
+@dataclass
+class GenerationResult:
+    """Output of :meth:`Engine.generate`: text, token ids (EOS included when hit)."""
+
+    text: str
+    token_ids: list[int]
+    mode: str
+    finish_reason: str
+    stats: GenerationStats
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # ru_maxrss is KiB on Linux
+
+
+class Engine:
+    """Speculative decoding engine over one target and an optional proposer.
+
+    Args:
+        target: the loaded :class:`Target`.
+        proposer: None for ``ar``; else a :class:`Proposer` (drafter, oracle, ...).
+        mode: one of :data:`MODES` (recorded in results).
+        verify_policy: optional callable ``(request, n_max) -> n`` choosing the
+            verification length per cycle before drafting (non-anticipating, spec s.5).
+    Raises:
+        EngineError: unknown mode, or a speculative mode without a proposer.
+    """
+
+    def __init__(self, target: Target, proposer: Proposer | None = None, mode: str = "dspine",
+                 verify_policy: Callable[[Request, int], int] | None = None):
+        if mode not in MODES:
+            raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
+        if mode != "ar" and proposer is None:
+            raise EngineError(f"--mode {mode} needs a drafter")
+        self.target, self.proposer, self.mode = target, (proposer if mode != "ar" else None), mode
+        self.verify_policy = verify_policy
+        self.feature_layers = list(getattr(proposer, "feature_layers", [])) if self.proposer else None
+        self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30))
+
+    # -- request lifecycle -------------------------------------------------------------
+    def start(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
+              max_new_tokens: int = 128, stop: list[str] | None = None) -> Request:
+        """Validate, prefill the target and the draft context, and emit the first token.
+
+        Raises:
+            EngineError: empty prompt, ``max_new_tokens`` < 1, or prompt + max_new_tokens
+                beyond the target's context window.
+        """
+        sampling = sampling or SamplingConfig()
+        if not prompt_ids:
+            raise EngineError("prompt is empty")
+        if max_new_tokens < 1:
+            raise EngineError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) + max_new_tokens > self.max_positions:
+            raise EngineError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} "
+                              f"exceeds the target's context window of {self.max_positions} tokens")
+        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise EngineError(f"prompt token ids {bad[:3]} are outside the vocabulary (size {self.target.vocab_size})")
+        req = Request(list(prompt_ids), sampling, max_new_tokens, [s for s in (stop or []) if s],
+                      make_generator(sampling.seed), self.target.new_cache(),
+                      self.proposer.new_state(prompt_ids) if self.proposer else None)
+        req.t_start = time.perf_counter()
+        ids = torch.tensor([prompt_ids], device=self.target.device)
+        out = self.target.forward(ids, req.cache, self.feature_layers, logits_to_keep=1)
+        req.cache.rollback(len(prompt_ids))
+        if self.proposer is not None:
+            self.proposer.commit(req.draft_state, out.features[0], 0)
+        first = sample_token(out.logits[0, -1], sampling, req.gen)
+        req.t_first = time.perf_counter()
+        self._emit(req, [first])
+        return req
+
+    def _verification_length(self, req: Request) -> int:
+        if self.proposer is None:
+            return 0
+        remaining = req.max_new_tokens - len(req.out_ids)
+        n_max = max(0, min(self.proposer.block_size - 1, remaining - 1))
+        if self.verify_policy is not None and n_max > 0:
+            n = int(self.verify_policy(req, n_max))
+            return max(0, min(n, n_max))
+        return n_max
+
+    def step(self, req: Request) -> list[int]:
+        """One cycle for ``req``: draft n tokens, verify in one target pass, commit.
+
+        Returns the token ids emitted this cycle (after stop handling).
+        """
+        if req.finished:
+            return []
+        t0 = time.perf_counter()
+        n = self._verification_length(req)
+        pos = req.position
+        if n > 0:
+            prop = self.proposer.propose(req.draft_state, req.anchor, pos, n, req.sampling, req.gen)
+        else:
+            prop = Proposal(torch.zeros(0, dtype=torch.long))
+        n = int(prop.tokens.shape[0])
+        t1 = time.perf_counter()
+        ids = torch.cat([torch.tensor([req.anchor]), prop.tokens.cpu()])[None].to(self.target.device)
+        out = self.target.forward(ids, req.cache, self.feature_layers)  # logits [1, n+1, V]
+        logits = out.logits[0]
+        if n == 0:
+            verdict = Verdict(0, sample_token(logits[0], req.sampling, req.gen))
+        else:
+            verdict = verify(prop.tokens, prop.q_probs, prop.q_ids, logits, req.sampling, req.gen)
+        a = verdict.accepted
+        # commit: the anchor and the accepted proposals enter the caches; nothing else
+        req.cache.rollback(pos + a + 1)
+        t2 = time.perf_counter()
+        commit_s = 0.0
+        if self.proposer is not None:
+            self.proposer.commit(req.draft_state, out.features[0, : a + 1], pos)
+            commit_s = time.perf_counter() - t2
+        for k in range(n):
+            if len(req.drafted_at) <= k:
+                req.drafted_at.append(0)
+                req.accepted_at.append(0)
+            req.drafted_at[k] += 1
+            req.accepted_at[k] += int(k < a)
+        new = [int(t) for t in prop.tokens[:a]] + [verdict.token]
+        req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s,
+                                      (t2 - t1), time.perf_counter() - t0))
+        return self._emit(req, new)
+
+    def _emit(self, req: Request, new: list[int]) -> list[int]:
+        """Append tokens, enforcing EOS, stop strings and max_new_tokens."""
+        room = req.max_new_tokens - len(req.out_ids)
+        new = new[:room]
+        for i, t in enumerate(new):
+            if t in self.target.eos_token_ids:
+                new = new[: i + 1]
+                req.finished, req.finish_reason = True, "stop"
+                break
+        start = len(req.out_ids)
+        req.out_ids.extend(new)
+        if req.stop:
+            self._apply_stop(req, start)
+        if not req.finished and len(req.out_ids) >= req.max_new_tokens:
+            req.finished, req.finish_reason = True, "length"
+        if not req.finished:
+            req.anchor = req.out_ids[-1]
+        if req.finished and not req.t_end:
+            req.t_end = time.perf_counter()
+        return req.out_ids[start:]
+
+    def _apply_stop(self, req: Request, start: int) -> None:
+        tok = self.target.tokenizer
+        text = tok.decode(req.out_ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in req.stop if s in text]
+        if not hits:
+            return
+        # shortest token prefix whose text contains a stop string (tokens end there)
+        k = start
+        while k < len(req.out_ids):
+            k += 1
+            t = tok.decode(req.out_ids[:k], skip_special_tokens=True)
+            if any(s in t for s in req.stop):
+                break
+        del req.out_ids[k:]
+        req.finished, req.finish_reason = True, "stop"
+
+    def text_of(self, req: Request) -> str:
+        """Decoded output, cut before the first stop string."""
+        text = self.target.tokenizer.decode(req.out_ids, skip_special_tokens=True)
+        cut = [text.find(s) for s in req.stop if s in text]
+        return text[: min(cut)] if cut else text
+
+    # -- whole generation ----------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
+                 max_new_tokens: int = 128, stop: list[str] | None = None,
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        """Generate for one prompt until EOS, a stop string or ``max_new_tokens``.
+
+        ``on_text`` receives text deltas as they become final (streaming).
+        """
+        req = self.start(prompt_ids, sampling, max_new_tokens, stop)
+        shown = 0
+        hold = max((len(s) for s in req.stop), default=1) - 1
+        while True:
+            if on_text is not None:
+                text = self.text_of(req)
+                safe = len(text) if req.finished else max(shown, len(text) - hold)
+                while safe > shown and text[safe - 1] == "\ufffd" and not req.finished:
+                    safe -= 1
+                if safe > shown:
+                    on_text(text[shown:safe])
+                    shown = safe
+            if req.finished:
+                break
+            self.step(req)
+        return self.result(req)
+
+    def result(self, req: Request) -> GenerationResult:
+        """Collect text, ids and :class:`GenerationStats` of a finished request."""
+        st = GenerationStats(prompt_tokens=len(req.prompt_ids), output_tokens=len(req.out_ids))
+        st.cycles = len(req.cycles)
+        st.accepted_length_mean = (sum(c.emitted for c in req.cycles) / st.cycles) if st.cycles else 0.0
+        st.accepted_per_position = [a / d for a, d in zip(req.accepted_at, req.drafted_at)]
+        st.ttft_s = req.t_first - req.t_start
+        end = req.t_end or time.perf_counter()
+        st.total_s = end - req.t_start
+        st.decode_s = end - req.t_first
+        st.tokens_per_second = (len(req.out_ids) - 1) / st.decode_s if st.decode_s > 0 and len(req.out_ids) > 1 else 0.0
+        st.draft_s = sum(c.draft_s for c in req.cycles)
+        st.final_stage_s = sum(c.final_s for c in req.cycles)
+        st.verify_s = sum(c.verify_s for c in req.cycles)
+        st.peak_memory_bytes = _peak_memory_bytes(self.target.device)
+        st.verification_lengths = [c.n for c in req.cycles]
+        return GenerationResult(self.text_of(req), list(req.out_ids), self.mode,
+                                req.finish_reason or "length", st)

@@ -1,0 +1,132 @@
+"""Final stage: serial refinement of the last bridge write (spec section 4).
+
+1. Candidates: a row-scaled quantized copy of the head H (FP8 on CUDA, int8 here)
+   scores the vocabulary, keeps K_c, the exact head rescores those, keeps K. The
+   fallback scores with the exact head directly. Candidates only propose; they never
+   decide the target's output.
+2. Conditional states ``h_i(u) = h_i^pre + r_i W_L(sigmoid(G_r c_i + G_p a E[u]) * V_p a E[u])``.
+3. Conditional score tables ``T_i[u, v] = H_v . norm_f(h_i(u))`` (K x K; 1 x K for row 1).
+4. Chain: greedy argmax, or sampled from ``q_i`` = filtered softmax of the row in FP64;
+   the sampled path returns the sparse q (candidate ids + probabilities).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingConfig
+from .model import DSpineDrafter
+from .sampling import filter_probs, sample_index, uniform
+
+
+class QuantizedHead:
+    """Row-scaled quantized copy of H [V, d] for the coarse candidate pass.
+
+    int8 with a per-row float32 scale (``H_v ~= s_v * Hq_v / 127``); inputs are
+    quantized per row too and multiplied with ``torch._int_mm`` (int32 accumulate).
+    On CUDA with float8 support the copy is float8_e4m3fn instead.
+    Memory: V*d bytes + 4*V bytes (scales).
+    """
+
+    def __init__(self, head: torch.Tensor):
+        w = head.detach().float()  # [V, d]
+        self.device = w.device
+        self.fp8 = w.is_cuda and hasattr(torch, "float8_e4m3fn")
+        amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [V, 1]
+        if self.fp8:
+            self.scale = (amax / 448.0).squeeze(1)  # [V]
+            self.q = (w / self.scale[:, None]).to(torch.float8_e4m3fn)
+        else:
+            self.scale = (amax / 127.0).squeeze(1)  # [V]
+            self.q_t = torch.round(w / self.scale[:, None]).to(torch.int8).T.contiguous()  # [d, V]
+
+    def nbytes(self) -> int:
+        t = self.q if self.fp8 else self.q_t
+        return t.numel() * t.element_size() + self.scale.numel() * 4
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Approximate ``x @ H.T``: x [m, d] float -> [m, V] float32."""
+        x = x.float()
+        if self.fp8:
+            return (x @ self.q.float().T) * self.scale
+        sx = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # [m, 1]
+        xq = torch.round(x / sx).to(torch.int8)  # [m, d]
+        m = xq.shape[0]
+        if m <= 16:  # _int_mm needs m > 16 on some backends: pad rows
+            xq = torch.cat([xq, xq.new_zeros(17 - m, xq.shape[1])])
+        acc = torch._int_mm(xq, self.q_t)[:m]  # [m, V] int32
+        return acc.float() * sx * self.scale
+
+
+def candidates(drafter: DSpineDrafter, x: torch.Tensor, k: int, k_coarse: int,
+               qhead: QuantizedHead | None) -> torch.Tensor:
+    """Top-``k`` candidate ids per row of normed states x [m, d] -> [m, k] int64.
+
+    With ``qhead``: coarse top-``k_coarse`` by the quantized head, then exact rescoring
+    of those with H, keep ``k``. Without: exact head over the full vocabulary.
+    """
+    H = drafter.head
+    if qhead is None:
+        return torch.topk(x @ H.to(x.dtype).T, k, dim=-1).indices
+    coarse = torch.topk(qhead.scores(x), k_coarse, dim=-1).indices  # [m, Kc]
+    exact = torch.einsum("md,mkd->mk", x, H[coarse].to(x.dtype))  # [m, Kc]
+    top = torch.topk(exact, k, dim=-1).indices  # [m, k]
+    return torch.gather(coarse, 1, top)
+
+
+def conditional_tables(drafter: DSpineDrafter, h_pre: torch.Tensor, r: torch.Tensor, c: torch.Tensor,
+                       anchor: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Conditional score tables for one block per batch element.
+
+    h_pre [b, B, d], r [b, B, 1], c [b, B, dc] of the last layer; anchor [b];
+    cand [b, B-1, K] candidate ids of rows 1..B-1. Returns T [b, B-1, K, K] float32
+    where ``T[:, i-1, j, v]`` is row i's score of candidate v given predecessor
+    candidate j of row i-1 (row 1: every j is the anchor x0, so all rows are equal).
+    """
+    b, Bm1, K = cand.shape
+    L = drafter.cfg.num_layers - 1
+    pred = torch.cat([anchor[:, None, None].expand(b, 1, K), cand[:, :-1]], dim=1)  # [b, B-1, K]
+    e = drafter.alpha * drafter.codebook(pred).to(h_pre.dtype)  # [b, B-1, K, dc]
+    gate = torch.sigmoid(drafter.g_r(c[:, 1:, None]) + drafter.g_p(e))  # [b, B-1, K, dm]
+    w = drafter.write[L](gate * drafter.v_p(e))  # [b, B-1, K, d]
+    hu = h_pre[:, 1:, None] + r[:, 1:, None] * w  # [b, B-1, K(u), d]
+    hv = drafter.head[cand].to(hu.dtype)  # [b, B-1, K(v), d]
+    return torch.einsum("biud,bivd->biuv", drafter.norm_f(hu), hv).float()
+
+
+@dataclass
+class Chain:
+    """Proposals of one block: tokens [n] int64; for sampling also q over candidates.
+
+    q_ids [n, K] int64 and q_probs [n, K] float64 (sparse q, spec section 4), or
+    None for greedy chains.
+    """
+
+    tokens: torch.Tensor
+    q_ids: torch.Tensor | None
+    q_probs: torch.Tensor | None
+
+
+def chain(T: torch.Tensor, cand: torch.Tensor, n: int, sampling: SamplingConfig,
+          gen: torch.Generator | None) -> Chain:
+    """Serial chain over positions 1..n of one block: T [B-1, K, K], cand [B-1, K].
+
+    Greedy: ``y_1 = argmax T_1[x0, .]``, ``y_i = argmax T_i[y_{i-1}, .]``. Sampling:
+    ``q_i = filter_probs(T_i[y_{i-1}, .])`` (float64) and ``y_i ~ q_i``.
+    """
+    j = 0  # row 1 conditions on the anchor (every predecessor slot holds x0)
+    toks, qs = [], []
+    for i in range(n):
+        row = T[i, j]  # [K]
+        if sampling.greedy:
+            j = int(torch.argmax(row))
+        else:
+            q = filter_probs(row, sampling)  # [K] float64
+            j = sample_index(q, uniform(gen))
+            qs.append(q)
+        toks.append(cand[i, j])
+    tokens = torch.stack(toks) if toks else cand.new_zeros(0)
+    if sampling.greedy or n == 0:
+        return Chain(tokens, None, None)
+    return Chain(tokens, cand[:n].clone(), torch.stack(qs))

@@ -1,0 +1,78 @@
+"""Logits-to-probabilities filters and the plain sampler (spec section 5).
+
+One implementation serves the autoregressive baseline, the drafter's proposal
+distributions and the verifier, so the target distribution ``p`` that speculation
+must reproduce is exactly the one the plain sampler draws from. All probabilities
+are float64; uniforms are float64 draws from a per-request ``torch.Generator``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingConfig
+
+
+def filter_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Probabilities after temperature -> top-k -> top-p -> min-p, renormalized.
+
+    Args:
+        logits: [..., N] any float dtype (N = vocabulary, or K candidates for a sparse q).
+        cfg: sampling settings; must not be greedy (temperature > 0).
+    Returns:
+        [..., N] float64 probabilities summing to 1 over the last dim; filtered-out
+        entries are exactly 0.
+    Raises:
+        ValueError: if ``cfg`` is greedy (use argmax instead).
+    """
+    if cfg.greedy:
+        raise ValueError("filter_probs needs temperature > 0; greedy decoding uses argmax")
+    x = logits.to(torch.float64) / cfg.temperature  # [..., N]
+    n = x.shape[-1]
+    if 0 < cfg.top_k < n:
+        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))  # ties at the k-th value are kept
+    p = torch.softmax(x, dim=-1)  # [..., N]
+    if cfg.top_p < 1.0:
+        sp, idx = torch.sort(p, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each sorted entry
+        drop_sorted = before >= cfg.top_p  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        p = p.masked_fill(drop, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    if cfg.min_p > 0.0:
+        pmax = p.max(dim=-1, keepdim=True).values
+        p = p.masked_fill(p < cfg.min_p * pmax, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def uniform(gen: torch.Generator | None) -> float:
+    """One float64 uniform draw in [0, 1) from ``gen`` (CPU generator)."""
+    return float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def sample_index(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample from ``probs`` [N] (float64, unnormalized allowed) with uniform ``u``.
+
+    Entries with probability 0 are never chosen. Deterministic in ``u``.
+    """
+    cdf = torch.cumsum(probs.to(torch.float64), dim=0)  # [N]
+    x = torch.tensor(u, dtype=torch.float64) * cdf[-1]
+    i = int(torch.searchsorted(cdf, x.reshape(1), right=True)[0])
+    if i >= probs.shape[0]:  # u * total rounded up to total
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
+
+
+def sample_token(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+    """The plain sampler: one token id from ``logits`` [V]; argmax when greedy."""
+    if cfg.greedy:
+        return int(torch.argmax(logits))
+    return sample_index(filter_probs(logits, cfg), uniform(gen))
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A per-request CPU generator seeded with ``seed``."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed))
+    return g

@@ -1,0 +1,95 @@
+"""Verification: greedy and token-wise speculative sampling (spec section 5).
+
+Inputs per request and cycle: proposals ``y_1..y_n``; the target's logits at the
+positions of ``[x0, y_1..y_n]`` give ``p_1..p_{n+1}`` after the same filters as the
+plain sampler (:func:`dspine.sampling.filter_probs`). ``q`` is either sparse
+(candidate ids [n, K] + probabilities [n, K]) or dense ([n, V]); both give identical
+decisions and corrections for the same random draws. Uniforms are float64 draws
+from the request's generator, in a fixed order: one per examined position, then one
+for the correction or bonus.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingConfig
+from .sampling import filter_probs, sample_index, uniform
+
+
+@dataclass
+class Verdict:
+    """Outcome of one verification.
+
+    accepted: number of proposals kept (0..n).
+    token: the correction token (at the first rejection) or the bonus token.
+    """
+
+    accepted: int
+    token: int
+
+
+def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor) -> Verdict:
+    """Greedy verification. tokens [n] int64, logits [n+1, V] float.
+
+    Accept while ``y_i == argmax p_i``; then emit ``argmax p_i`` at the first mismatch,
+    or the bonus ``argmax p_{n+1}``.
+    """
+    n = tokens.shape[0]
+    best = torch.argmax(logits, dim=-1)  # [n+1]
+    a = 0
+    while a < n and int(tokens[a]) == int(best[a]):
+        a += 1
+    return Verdict(a, int(best[a]))
+
+
+def verify_sampling(tokens: torch.Tensor, q_probs: torch.Tensor, q_ids: torch.Tensor | None,
+                    logits: torch.Tensor, sampling: SamplingConfig, gen: torch.Generator | None,
+                    p: torch.Tensor | None = None) -> Verdict:
+    """Token-wise speculative sampling.
+
+    Args:
+        tokens: [n] int64 proposals y_1..y_n.
+        q_probs: [n, K] float64 (sparse, with ``q_ids`` [n, K]) or [n, V] (dense, q_ids None):
+            exactly the distributions the proposals were drawn from.
+        logits: [n+1, V] target logits (unfiltered); ignored when ``p`` is given.
+        p: optional precomputed filtered target probabilities [n+1, V] float64.
+    Accept y_i with probability ``min(1, p_i(y_i) / q_i(y_i))``; at the first
+    rejection sample from ``max(0, p_i - q_i)`` renormalized; if all are accepted,
+    sample the bonus from ``p_{n+1}``.
+    """
+    n = tokens.shape[0]
+    if p is None:
+        p = filter_probs(logits, sampling)  # [n+1, V] float64
+    for i in range(n):
+        y = int(tokens[i])
+        if q_ids is None:
+            qy = float(q_probs[i, y])
+        else:
+            hit = (q_ids[i] == y).nonzero()
+            qy = float(q_probs[i, int(hit[0])]) if hit.numel() else 0.0
+        py = float(p[i, y])
+        u = uniform(gen)
+        if qy > 0.0 and u < py / qy:
+            continue
+        res = p[i].clone()  # [V]
+        if q_ids is None:
+            res = res - q_probs[i].to(torch.float64)
+        else:
+            res[q_ids[i]] -= q_probs[i].to(torch.float64)
+        res = res.clamp_min(0.0)
+        if float(res.sum()) <= 0.0:  # p == q up to rounding: the correction is drawn from p
+            res = p[i]
+        return Verdict(i, sample_index(res, uniform(gen)))
+    return Verdict(n, sample_index(p[n], uniform(gen)))
+
+
+def verify(tokens: torch.Tensor, q_probs, q_ids, logits: torch.Tensor, sampling: SamplingConfig,
+           gen: torch.Generator | None) -> Verdict:
+    """Dispatch to :func:`verify_greedy` or :func:`verify_sampling` by ``sampling``."""
+    if sampling.greedy:
+        return verify_greedy(tokens, logits)
+    if tokens.shape[0] > 0 and q_probs is None:
+        raise ValueError("sampled verification needs the proposal distribution q")
+    return verify_sampling(tokens, q_probs, q_ids, logits, sampling, gen)
