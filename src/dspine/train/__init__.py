@@ -1,0 +1,1 @@
+"""Drafter training (spec section 9)."""

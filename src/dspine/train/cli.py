@@ -1,0 +1,166 @@
+"""``dspine train`` and ``dspine acceptance`` commands.
+
+``dspine train --target T --data DIR --config small|PATH --mode dspine|dflash --out DIR``
+trains a drafter (see :mod:`dspine.train.loop`), then exports ``DIR/final`` with a
+model card. ``dspine acceptance --drafter DIR --sets code chat`` measures held-out
+acceptance length tau with the real engine loop (greedy, float32 by default).
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
+                       progress: bool = False) -> dict:
+    """Held-out mean acceptance length tau per prompt set, by the engine loop (greedy).
+
+    Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
+    "n_<set>": prompts}``. Prompts come from :func:`dspine.data.sources.heldout_prompts`
+    (never trained on).
+    """
+    from ..data.build import encode_record
+    from ..data.sources import heldout_prompts
+    from ..draft import DrafterProposer
+    from ..engine import Engine
+
+    was_training = drafter.training
+    drafter.eval()
+    eng = Engine(target, DrafterProposer(drafter), drafter.cfg.mode)
+    res = {}
+    for s in sets:
+        prompts = heldout_prompts(s, n)
+        emitted = cycles = 0
+        per = []
+        it = prompts
+        if progress:
+            from tqdm.auto import tqdm
+            it = tqdm(prompts, desc=f"acceptance {s}")
+        for rec in it:
+            ids = encode_record(target, rec)[-768:]
+            with torch.no_grad():
+                r = eng.generate(ids, max_new_tokens=max_new_tokens)
+            st = r.stats
+            emitted += round(st.accepted_length_mean * st.cycles)  # tokens emitted by cycles
+            cycles += st.cycles
+            per.append(round(st.accepted_length_mean, 3))
+        res[f"tau_{s}"] = round(emitted / max(1, cycles), 4)
+        res[f"tau_{s}_per_prompt"] = per
+        res[f"n_{s}"] = len(prompts)
+    drafter.train(was_training)
+    return res
+
+
+def _drafter_config(args, target):
+    from ..config import DSpineConfig, dflash_flags
+
+    if args.config in ("small", "release"):
+        return DSpineConfig.for_target(target, profile=args.config, mode=args.mode,
+                                       block_size=args.block_size)
+    cfg = DSpineConfig.load(args.config)
+    d = json.loads(cfg.to_json())
+    d.update(dflash_flags() if args.mode == "dflash" else {"bridge": True, "final_stage": True,
+                                                             "block_causal": True, "mode": "dspine"})
+    return DSpineConfig.from_dict(d)
+
+
+def cmd_train(args) -> int:
+    from ..data.build import load_dataset
+    from ..draft import save_drafter
+    from ..target import load_target
+    from .loop import TrainConfig, Trainer, init_distributed
+
+    rank, world = init_distributed()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype="float32")
+    data = load_dataset(args.data, target)
+    seqs = [(s.input_ids, s.response_start) for s in data if len(s.input_ids) - s.response_start >= 2]
+    if not seqs:
+        raise ValueError(f"--data {args.data}: no usable sequences (need responses of >= 2 tokens)")
+    cfg = _drafter_config(args, target)
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
+                     max_len=args.max_len, lr=args.lr, seed=args.seed, save_every=args.save_every,
+                     eval_every=args.eval_every, vocab_subset=args.vocab_subset,
+                     feature_dtype=args.feature_dtype, autocast_bf16=args.bf16_autocast,
+                     memo_features=not args.no_memo_features)
+    out = Path(args.out)
+
+    def eval_fn(model):
+        return measure_acceptance(target, model, n=args.eval_prompts, max_new_tokens=48)
+
+    tr = Trainer(target, cfg, seqs, out, tc, eval_fn=eval_fn)
+    t0 = time.time()
+    tr.run(resume=args.resume)
+    if rank == 0:
+        final = out / "final"
+        save_drafter(tr.model, final, dtype=torch.bfloat16)
+        target.model.to(torch.float32)
+        target.dtype = torch.float32
+        tr.model.to(torch.float32)
+        acc = measure_acceptance(target, tr.model, n=args.eval_prompts, max_new_tokens=64) if args.eval_prompts else {}
+        card = {"target": args.target, "mode": cfg.mode, "data": str(args.data),
+                "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
+                "steps": tr.step, "train_config": json.loads(json.dumps(tc.__dict__)),
+                "wall_time_s": round(tr.wall, 1), "world_size": world,
+                "hardware": f"{platform.machine()} {torch.get_num_threads()} threads, "
+                            f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
+                "heldout_acceptance_greedy_fp32": acc,
+                "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+        (final / "card.json").write_text(json.dumps(card, indent=2))
+        print(json.dumps({"final": str(final), **acc}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def cmd_acceptance(args) -> int:
+    from ..draft import load_drafter
+    from ..target import load_target
+
+    target = load_target(args.target, dtype=args.dtype)
+    model = load_drafter(args.drafter, target, dtype=target.dtype)
+    res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
+                             progress=True)
+    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, **res}))
+    return 0
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a DSpine or DFlash-style drafter for a target")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--data", required=True, help="directory built by `dspine data build`")
+    p.add_argument("--config", default="small", help="small | release | path to a drafter config.json")
+    p.add_argument("--mode", default="dspine", choices=["dspine", "dflash"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8, help="global sequences per step")
+    p.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=384)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--vocab-subset", type=int, default=8192, help="CE over the N most frequent tokens (0 = all)")
+    p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--no-memo-features", action="store_true",
+                   help="recompute target features every time (default: keep them in RAM once computed)")
+    p.add_argument("--bf16-autocast", action="store_true", help="bf16 autocast for the drafter")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-prompts", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+    a = sub.add_parser("acceptance", help="held-out acceptance length of a drafter (engine loop)")
+    a.add_argument("--target", default="smollm2-135m")
+    a.add_argument("--drafter", required=True)
+    a.add_argument("--sets", nargs="+", default=["code", "chat"])
+    a.add_argument("--n", type=int, default=16)
+    a.add_argument("--max-new-tokens", type=int, default=96)
+    a.add_argument("--dtype", default="float32")
+    a.set_defaults(func=cmd_acceptance)

@@ -1,0 +1,268 @@
+"""Drafter training loop: online target features, AdamW + warmup/cosine, checkpoints,
+``--resume``, JSONL metrics, held-out acceptance by the real engine loop, DDP.
+
+Multi-process: launch with ``torchrun --nproc-per-node N -m dspine.cli train ...``;
+each rank takes a disjoint slice of every global batch (gloo on CPU, nccl on CUDA)
+and gradients are averaged with one flat all-reduce per step (data parallel, as
+DDP does), so N processes with per-rank batch b/N follow the same
+trajectory as one process with batch b (tested).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..config import DSpineConfig
+from ..draft import check_fits_target, save_drafter
+from ..model import DSpineDrafter
+from .losses import collate, cosine_lr, drafter_losses, sample_anchors
+
+
+@dataclass
+class TrainConfig:
+    """Training settings. ``batch_size`` is the global number of sequences per step."""
+
+    steps: int = 1000
+    batch_size: int = 8
+    anchors_per_seq: int = 32
+    max_len: int = 384
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 50
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    fs_weight: float = 1.0
+    vocab_subset: int = 8192  # 0 = full vocabulary in the CE
+    seed: int = 0
+    save_every: int = 100
+    eval_every: int = 0  # 0 = only at the end
+    eval_prompts: int = 4
+    eval_max_new_tokens: int = 48
+    feature_dtype: str = "bfloat16"
+    autocast_bf16: bool = False
+    memo_features: bool = True  # keep each sequence's target features in RAM once computed
+
+    def __post_init__(self) -> None:
+        for f in ("steps", "batch_size", "anchors_per_seq", "max_len"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"TrainConfig.{f} must be positive, got {getattr(self, f)}")
+        if self.max_len < 4:
+            raise ValueError("TrainConfig.max_len must be >= 4")
+
+
+def _dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's env (gloo on CPU, nccl on CUDA)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    return _dist_info()
+
+
+def frequent_tokens(seqs: list[tuple[list[int], int]], n: int, vocab: int) -> torch.Tensor:
+    """The ``n`` most frequent token ids in the responses (sorted ids) [n] int64."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s, r in seqs:
+        counts += torch.bincount(torch.tensor(s[r:], dtype=torch.long), minlength=vocab)
+    n = min(n, vocab)
+    return torch.sort(torch.topk(counts, n).indices).values
+
+
+class Trainer:
+    """Trains one drafter for one target.
+
+    Args:
+        target: loaded :class:`dspine.target.Target` (features are computed online).
+        drafter_cfg: the drafter's :class:`DSpineConfig` (must fit the target).
+        seqs: list of (token ids, response start) training sequences.
+        out_dir: checkpoints (``ckpt/``), ``metrics.jsonl`` and the final export.
+        eval_fn: optional ``(drafter) -> dict`` of held-out acceptance metrics.
+    """
+
+    def __init__(self, target, drafter_cfg: DSpineConfig, seqs, out_dir: str | Path, tc: TrainConfig,
+                 eval_fn=None, data_meta: dict | None = None):
+        check_fits_target(drafter_cfg, target, where="train")
+        if not seqs:
+            raise ValueError("training data holds no sequences")
+        self.target, self.cfg, self.tc, self.eval_fn = target, drafter_cfg, tc, eval_fn
+        self.seqs = seqs
+        self.out = Path(out_dir)
+        self.rank, self.world = _dist_info()
+        if tc.batch_size % self.world:
+            raise ValueError(f"--batch-size {tc.batch_size} must be divisible by the world size {self.world}")
+        torch.manual_seed(tc.seed)
+        self.model = DSpineDrafter(drafter_cfg)
+        self.model.bind_target(target.input_embeddings(), target.output_head())
+        if self.world > 1:  # identical start on every rank
+            for p in self.model.parameters():
+                dist.broadcast(p.data, 0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay,
+                                     betas=(0.9, 0.95))
+        self.step = 0
+        self.subset = (frequent_tokens(seqs, tc.vocab_subset, drafter_cfg.vocab_size)
+                       if 0 < tc.vocab_subset < drafter_cfg.vocab_size else None)
+        self.data_meta = data_meta or {}
+        self.memo: dict[int, torch.Tensor] = {}
+        self.wall = 0.0
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save(self, final: bool = False, extra: dict | None = None) -> Path:
+        """Write ``ckpt/`` (weights fp32, optimizer, step) atomically; rank 0 only."""
+        if self.rank != 0:
+            return self.out
+        ck = self.out / "ckpt"
+        tmp = self.out / "ckpt.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_drafter(self.model, tmp, dtype=torch.float32)
+        torch.save({"opt": self.opt.state_dict(), "step": self.step, "wall": self.wall,
+                    "subset": self.subset, "train_config": asdict(self.tc)}, tmp / "trainer.pt")
+        if ck.exists():
+            import shutil
+            shutil.rmtree(ck)
+        tmp.rename(ck)
+        return ck
+
+    def resume(self) -> bool:
+        """Load ``ckpt/`` if present; returns True when resumed."""
+        ck = self.out / "ckpt"
+        if not (ck / "trainer.pt").exists():
+            return False
+        from safetensors.torch import load_file
+
+        saved = DSpineConfig.load(ck)
+        if saved != self.cfg:
+            raise ValueError(f"--resume: checkpoint in {ck} was trained with another drafter config "
+                             f"(mode {saved.mode}, layers {saved.num_layers}); use a new --out")
+        self.model.load_state_dict(load_file(str(ck / "model.safetensors")))
+        st = torch.load(ck / "trainer.pt", weights_only=False)
+        self.opt.load_state_dict(st["opt"])
+        self.step, self.wall, self.subset = st["step"], st.get("wall", 0.0), st["subset"]
+        return True
+
+    def log(self, rec: dict) -> None:
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            try:
+                if not hasattr(self, "_tb"):
+                    from torch.utils.tensorboard import SummaryWriter  # optional
+                    self._tb = SummaryWriter(str(self.out / "tb"))
+                for k, v in rec.items():
+                    if isinstance(v, (int, float)) and k != "step":
+                        self._tb.add_scalar(k, v, rec.get("step", 0))
+            except Exception:  # tensorboard not installed: JSONL only
+                self._tb = None
+
+    # -- training ---------------------------------------------------------------------
+    def batch_for_step(self, step: int) -> list[tuple[list[int], int]]:
+        """This rank's slice of the global batch of ``step`` (deterministic in seed/step)."""
+        rng = random.Random(self.tc.seed * 1_000_003 + step)
+        idx = [rng.randrange(len(self.seqs)) for _ in range(self.tc.batch_size)]
+        per = self.tc.batch_size // self.world
+        mine = idx[self.rank * per:(self.rank + 1) * per]
+        return [self.seqs[i] for i in mine], mine
+
+    @torch.no_grad()
+    def features(self, batch, idx: list[int]) -> torch.Tensor:
+        """Target features [b, T, F*d] float32 for a collated batch (teacher forcing).
+
+        Computed online by a target forward; with ``memo_features`` each sequence's
+        features are kept in RAM (feature dtype) after the first time it is drawn.
+        """
+        from ..data.build import cpu_speed_patches
+
+        tc = self.tc
+        fdt = getattr(torch, tc.feature_dtype)
+        if self.target.dtype != fdt:
+            self.target.model.to(fdt)
+            self.target.dtype = fdt
+        T = batch.ids.shape[1]
+        todo = [j for j, i in enumerate(idx) if not (tc.memo_features and i in self.memo)]
+        fresh = {}
+        if todo:
+            ids, valid = batch.ids[todo], batch.valid[todo]
+            with cpu_speed_patches(self.target.model):
+                out = self.target.model(input_ids=ids, attention_mask=valid.long(),
+                                        output_hidden_states=True, logits_to_keep=1)
+            f = torch.cat([out.hidden_states[l + 1] for l in self.cfg.feature_layers], -1)  # [n, T, F*d]
+            for k, j in enumerate(todo):
+                fresh[j] = f[k]
+                if tc.memo_features:
+                    self.memo[idx[j]] = f[k][: int(valid[k].sum())].clone()
+        rows = []
+        for j, i in enumerate(idx):
+            x = fresh[j] if j in fresh else self.memo[i]
+            pad = T - x.shape[0]
+            rows.append(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad > 0 else x[:T])
+        return torch.stack(rows).float()
+
+    def train_step(self) -> dict:
+        tc = self.tc
+        lr = cosine_lr(self.step, tc.steps, tc.warmup, tc.lr)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        seqs, idx = self.batch_for_step(self.step)
+        batch = collate(seqs, tc.max_len)
+        gen = torch.Generator().manual_seed(tc.seed * 7919 + self.step * 31 + self.rank)
+        anchors = sample_anchors(batch, tc.anchors_per_seq, gen)
+        feats = self.features(batch, idx)
+        self.model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.autocast_bf16):
+            losses = drafter_losses(self.model, feats, batch, anchors, tc.gamma,
+                                    None if self.subset is None else self.subset, tc.fs_weight)
+        self.opt.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        if self.world > 1:  # data parallel: average gradients over ranks (one flat all-reduce)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= self.world
+            off = 0
+            for p in params:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return {"step": self.step, "lr": lr, "loss": float(losses["loss"].detach()), "ce": float(losses["ce"]),
+                "fs": float(losses["fs"]), "acc1": float(losses["acc1"]), "grad_norm": float(gn)}
+
+    def run(self, resume: bool = False) -> Path:
+        """Train to ``tc.steps``; saves every ``save_every`` steps and at the end."""
+        if resume and self.resume() and self.rank == 0:
+            print(f"resumed from step {self.step}")
+        tc = self.tc
+        bar = tqdm(total=tc.steps, initial=self.step, desc=f"train {self.cfg.mode}", disable=self.rank != 0)
+        while self.step < tc.steps:
+            t0 = time.perf_counter()
+            rec = self.train_step()
+            self.wall += time.perf_counter() - t0
+            rec["wall_s"] = round(self.wall, 2)
+            if self.step % 10 == 0 or self.step == tc.steps:
+                self.log(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc1']:.2f}")
+            if self.step % tc.save_every == 0:
+                self.save()
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.eval_fn and self.rank == 0:
+                self.log({"step": self.step, **self.eval_fn(self.model)})
+        bar.close()
+        self.save()
+        return self.out / "ckpt"

@@ -1,0 +1,154 @@
+"""Training batch construction and losses (spec section 9).
+
+For each training sequence the target runs once (teacher forcing, no grad) and its
+feature-layer outputs become the draft context. Many random anchors per sequence
+form blocks: row 0 is the anchor token x_a, rows 1..B-1 are supervised with the
+true next tokens x_{a+1..a+B-1}; the context keys visible to a block are the
+positions strictly before its anchor (inside the window).
+
+Losses:
+* continuous CE on rows 1..B-1, row k weighted by ``exp(-(k-1)/gamma)``;
+* final-stage K-way CE over the conditional score row ``T_i[u*, S_i]`` with the
+  true predecessor u* (the anchor for row 1), the true token injected into S_i when
+  the top-K misses it (only when the config has a final stage).
+
+Optionally the CE runs over a reduced vocabulary ``vocab_subset`` (the most frequent
+target tokens, as EAGLE-3 does) to cut the cost of the frozen 49k head; rows whose
+label lies outside the subset are skipped (project choice, docs/decisions.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as Fn
+
+from ..model import DSpineDrafter
+
+
+@dataclass
+class Batch:
+    """A padded batch of sequences.
+
+    ids [b, T] int64 (pad 0), valid [b, T] bool, resp_start [b] int64 (first response
+    position; anchors are drawn from the response only).
+    """
+
+    ids: torch.Tensor
+    valid: torch.Tensor
+    resp_start: torch.Tensor
+
+
+def collate(seqs: list[tuple[list[int], int]], max_len: int) -> Batch:
+    """Right-pad (ids, response_start) pairs to a batch, truncating to ``max_len``."""
+    T = min(max_len, max(len(s) for s, _ in seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    valid = torch.zeros(len(seqs), T, dtype=torch.bool)
+    rs = torch.zeros(len(seqs), dtype=torch.long)
+    for i, (s, r) in enumerate(seqs):
+        s = s[:T]
+        ids[i, : len(s)] = torch.tensor(s)
+        valid[i, : len(s)] = True
+        rs[i] = min(r, len(s) - 2) if len(s) >= 2 else 0
+    return Batch(ids, valid, rs)
+
+
+def sample_anchors(batch: Batch, nb: int, gen: torch.Generator) -> torch.Tensor:
+    """Anchor positions [b, nb] int64, uniform over [resp_start, len-2] of each sequence."""
+    lens = batch.valid.sum(1)  # [b]
+    lo = batch.resp_start.clamp_min(1)  # anchors need at least one context position
+    hi = (lens - 2).clamp_min(lo)
+    u = torch.rand(batch.ids.shape[0], nb, generator=gen, dtype=torch.float64)
+    return (lo[:, None] + (u * (hi - lo + 1)[:, None]).floor().long()).clamp(max=hi[:, None])
+
+
+def block_labels(batch: Batch, anchors: torch.Tensor, B: int) -> torch.Tensor:
+    """Tokens at anchor+0..anchor+B-1 [b, nb, B]; -100 beyond the sequence."""
+    pos = anchors[:, :, None] + torch.arange(B)  # [b, nb, B]
+    T = batch.ids.shape[1]
+    inside = pos < T
+    g = torch.gather(batch.ids, 1, pos.clamp(max=T - 1).reshape(pos.shape[0], -1)).view_as(pos)
+    ok = torch.gather(batch.valid, 1, pos.clamp(max=T - 1).reshape(pos.shape[0], -1)).view_as(pos) & inside
+    return torch.where(ok, g, torch.full_like(g, -100))
+
+
+def row_weights(B: int, gamma: float, device=None) -> torch.Tensor:
+    """Weights [B-1] = exp(-(k-1)/gamma) for rows k = 1..B-1 (spec section 9)."""
+    k = torch.arange(1, B, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, anchors: torch.Tensor,
+                   gamma: float, vocab_subset: torch.Tensor | None = None,
+                   fs_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """Losses for one batch.
+
+    feats [b, T, F*d] target features; anchors [b, nb]. Returns a dict with ``loss``
+    (scalar to backprop), ``ce``, ``fs`` (final-stage CE, 0 without final stage),
+    ``acc1`` (row-1 top-1 accuracy of the continuous logits) and ``rows``.
+    """
+    cfg = drafter.cfg
+    B = cfg.block_size
+    b, T = batch.ids.shape
+    dev = feats.device
+    pos = torch.arange(T, device=dev)[None].expand(b, T)
+    ctx = drafter.context_kv(feats, pos)
+    x0 = torch.gather(batch.ids, 1, anchors)  # [b, nb]
+    out = drafter.forward_blocks(x0, anchors, ctx, pos, batch.valid)
+    labels = block_labels(batch, anchors, B)[:, :, 1:]  # [b, nb, B-1]
+    w = row_weights(B, gamma, dev).expand_as(labels)
+    H = drafter.head
+    if vocab_subset is not None:
+        Hs = H[vocab_subset]  # [Vs, d]
+        remap = torch.full((H.shape[0],), -100, dtype=torch.long, device=dev)
+        remap[vocab_subset] = torch.arange(vocab_subset.shape[0], device=dev)
+        tgt = torch.where(labels >= 0, remap[labels.clamp_min(0)], labels)
+    else:
+        Hs, tgt = H, labels
+    hn = drafter.norm_f(out.h[:, :, 1:])  # [b, nb, B-1, d]
+    z = hn @ Hs.to(hn.dtype).T  # [b, nb, B-1, Vs]
+    ok = tgt >= 0
+    ce_rows = Fn.cross_entropy(z.float().reshape(-1, z.shape[-1]), tgt.reshape(-1), ignore_index=-100,
+                               reduction="none").view_as(tgt)
+    wsum = (w * ok).sum().clamp_min(1.0)
+    ce = (ce_rows * w * ok).sum() / wsum
+    with torch.no_grad():
+        acc1 = ((z[:, :, 0].argmax(-1) == tgt[:, :, 0]) & ok[:, :, 0]).sum() / ok[:, :, 0].sum().clamp_min(1)
+    fs = torch.zeros((), device=dev)
+    if cfg.final_stage:
+        fs = final_stage_loss(drafter, out, z.detach(), tgt, labels, x0, Hs, w, ok, cfg.head_topk)
+    return {"loss": ce + fs_weight * fs, "ce": ce.detach(), "fs": fs.detach(), "acc1": acc1,
+            "rows": ok.sum()}
+
+
+def final_stage_loss(drafter: DSpineDrafter, out, z: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
+                     x0: torch.Tensor, Hs: torch.Tensor, w: torch.Tensor, ok: torch.Tensor, K: int) -> torch.Tensor:
+    """K-way CE over ``T_i[u*, S_i]`` (spec sections 4 and 9).
+
+    z [b, nb, B-1, Vs] detached continuous logits (candidate choice); tgt: labels in
+    subset indices; labels: true token ids (predecessors); x0 [b, nb] anchors.
+    """
+    Lw = drafter.cfg.num_layers - 1
+    cand = torch.topk(z, K, dim=-1).indices  # [b, nb, B-1, K] subset indices
+    hit = (cand == tgt[..., None]).any(-1)  # [b, nb, B-1]
+    inject = ok & ~hit
+    cand[..., -1] = torch.where(inject, tgt.clamp_min(0), cand[..., -1])  # true token injected
+    pos_in = (cand == tgt[..., None]).float().argmax(-1)  # [b, nb, B-1]
+    pred = torch.cat([x0[:, :, None], labels[:, :, :-1].clamp_min(0)], dim=2)  # true predecessor ids
+    e = drafter.alpha * drafter.codebook(pred).to(out.h_pre.dtype)  # [b, nb, B-1, dc]
+    c_i = out.c[:, :, 1:]
+    m = torch.sigmoid(drafter.g_r(c_i) + drafter.g_p(e)) * drafter.v_p(e)
+    hu = out.h_pre[:, :, 1:] + out.r[:, :, 1:] * drafter.write[Lw](m)  # [b, nb, B-1, d]
+    hv = Hs[cand].to(hu.dtype)  # [b, nb, B-1, K, d]
+    scores = torch.einsum("bnid,bnikd->bnik", drafter.norm_f(hu), hv).float()
+    ce = Fn.cross_entropy(scores.reshape(-1, K), pos_in.reshape(-1), reduction="none").view_as(pos_in)
+    return (ce * w * ok).sum() / (w * ok).sum().clamp_min(1.0)
+
+
+def cosine_lr(step: int, total: int, warmup: int, base: float, floor: float = 0.1) -> float:
+    """Linear warmup then cosine decay to ``floor * base``."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))

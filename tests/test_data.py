@@ -1,0 +1,222 @@
+"""Tests of dspine.data: prompt sources, splits, and the resumable data build."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspine.data import build as B
+from dspine.data import sources as S
+
+
+# -- splits and sources ---------------------------------------------------------------------
+def test_splits_file_is_consistent():
+    sp = S.load_splits()
+    assert set(sp["eval_only_sources"]) == {"humaneval", "mtbench", "bfcl"}
+    mods = set(S.stdlib_modules())
+    held = sp["stdlib_heldout_modules"]
+    assert held and held <= mods
+    assert 0.05 < len(held) / len(mods) < 0.2
+    assert len(sp["sharegpt_heldout_ids"]) == 200 == len(sp["sharegpt_heldout_set"])
+
+
+@pytest.mark.parametrize("src", ["humaneval", "mtbench", "bfcl"])
+def test_eval_only_sources_refused_for_training(src):
+    with pytest.raises(ValueError, match="eval-only"):
+        S.training_prompts(src)
+
+
+def test_eval_benchmarks_load():
+    he, mt, bf = S.load_humaneval(), S.load_mtbench(), S.load_bfcl()
+    assert len(he) == 164 and {"task_id", "prompt", "test", "entry_point"} <= set(he[0])
+    assert len(mt) == 80 and isinstance(mt[0]["turns"], list)
+    assert bf and all(r["messages"] and isinstance(r["functions"], list) for r in bf)
+    assert {r["category"] for r in bf} == set(S.BFCL_DEFAULT)
+
+
+def test_stdlib_training_never_touches_heldout_modules():
+    held = S.load_splits()["stdlib_heldout_modules"]
+    train = list(zip(range(1200), S.training_prompts("stdlib")))
+    mods = {r["module"] for _, r in train}
+    assert len(mods) > 300  # round-robin: the first rounds cover many modules
+    assert not mods & held
+    assert all(r["kind"] == "code" and r["id"].startswith(r["module"] + ":") for _, r in train)
+    code = S.heldout_prompts("code", 100)
+    assert len(code) == 100 and {r["module"] for r in code} <= held
+    assert not {r["id"] for r in code} & {r["id"] for _, r in train}
+
+
+def test_stdlib_prompt_ends_at_function_body():
+    rec = next(S.iter_stdlib_prompts(modules=["json.decoder"], context_chars=400))
+    assert rec["prompt"].endswith("\n") and len(rec["prompt"]) <= 400
+    assert "def " in rec["prompt"] or '"""' in rec["prompt"]
+
+
+def test_sharegpt_training_excludes_heldout_and_eval_texts():
+    held = S.load_splits()["sharegpt_heldout_set"]
+    train = [r for _, r in zip(range(400), S.training_prompts("sharegpt"))]
+    assert len(train) == 400 and not {r["id"] for r in train} & held
+    evals = S.eval_texts()
+    assert not any(S._norm(r["prompt"]) in evals for r in train)
+    chat = S.heldout_prompts("chat", 200)
+    assert [r["id"] for r in chat] == S.load_splits()["sharegpt_heldout_ids"]
+
+
+def test_jsonl_training_filters_eval_prompts(tmp_path):
+    turn = S.load_mtbench()[0]["turns"][0]
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "a", "prompt": "write a haiku about rust"},
+        {"id": "b", "prompt": "  " + turn + " "},  # MT-Bench question: eval-only
+        {"id": "HumanEval/3", "prompt": "anything"},  # eval id
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ]) + "\n")
+    got = [r["id"] for r in S.training_prompts(str(p))]
+    assert got == ["a", "p:4"]
+
+
+def test_sharegpt_stream_stops_at_truncation(tmp_path):
+    f = tmp_path / "t.json"
+    f.write_text('[\n {"id": "a", "n": 1},\n {"id": "b", "s": "x]y"} ,\n {"id": "c", "conv')
+    assert [o["id"] for o in S._iter_json_array(f, chunk_chars=7)] == ["a", "b"]
+    f.write_text('[{"id": "a"}, {"id": "b"}]')
+    assert [o["id"] for o in S._iter_json_array(f, chunk_chars=3)] == ["a", "b"]
+    real = list(zip(range(5), S.iter_sharegpt()))
+    assert len(real) == 5 and all(r["prompt"].strip() for _, r in real)
+    n = sum(1 for _ in S.iter_sharegpt())  # whole (truncated) file: ends without error
+    assert n > 1000
+
+
+def test_jsonl_source_errors(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="empty.jsonl"):
+        list(S.iter_jsonl_prompts(empty))
+    useless = tmp_path / "useless.jsonl"
+    useless.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="useless.jsonl"):
+        list(S.iter_jsonl_prompts(useless))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl, line 2"):
+        list(S.iter_jsonl_prompts(bad))
+
+
+# -- data build ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    from dspine.target import load_target
+    return load_target("random:llama")
+
+
+def _prompts(path: Path, n: int) -> Path:
+    rows = [{"id": f"q{i}", "prompt": f"prompt number {i} " + "x" * (3 * i),
+             "kind": "code" if i % 2 else "chat"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rows(d: Path) -> list[dict]:
+    return [json.loads(line) for s in sorted(d.glob("data-*.jsonl")) for line in s.open()]
+
+
+def test_build_writes_shards_manifest_and_resumes(tiny, tmp_path):
+    out = tmp_path / "ds"
+    man = B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 5))], out, max_new_tokens=6,
+                          batch_size=2, progress=False)
+    assert man["complete"] and man["target"] == "random:llama"
+    disk = json.loads((out / "manifest.json").read_text())
+    assert disk["complete"] and disk["counts"]["prompts"] == 5
+    assert disk["template"]["chat"].startswith("none")  # byte tokenizer: raw text
+    assert {"vocab_sha256", "vocab_size", "name_or_path"} <= set(disk["tokenizer"])
+    rows = _rows(out)
+    assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(5)]
+    r0 = rows[0]
+    assert {"id", "source", "prompt_ids", "response_ids", "finished"} <= set(r0)
+    assert all(1 <= len(r["response_ids"]) <= 6 for r in rows)
+    assert all(r["finished"] == (r["response_ids"][-1] == 0) for r in rows)
+    assert r0["prompt_ids"] == tiny.encode_prompt(
+        json.loads((tmp_path / "a.jsonl").read_text().splitlines()[int(r0["id"][1:])])["prompt"])
+
+    with pytest.raises(ValueError, match="--resume"):
+        B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=6, progress=False)
+    more = _prompts(tmp_path / "b.jsonl", 8)
+    man = B.build_dataset(tiny, [str(more)], out, max_new_tokens=6, batch_size=3, resume=True,
+                          progress=False)
+    assert man["complete"] and man["counts"]["prompts"] == 8 and man["runs"][-1]["new_rows"] == 3
+    assert sorted(r["id"] for r in _rows(out)) == sorted(f"q{i}" for i in range(8))
+
+    seqs = B.load_dataset(out, tiny)
+    assert len(seqs) == 8
+    s = seqs[0]
+    row = _rows(out)[0]
+    assert s.input_ids == row["prompt_ids"] + row["response_ids"]
+    assert s.response_start == len(row["prompt_ids"])
+
+
+def test_build_refuses_other_target_and_load_checks_target(tiny, tmp_path):
+    from dspine.target import load_target
+
+    out = tmp_path / "ds"
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 2))], out, max_new_tokens=3,
+                    progress=False)
+    other = load_target("random:qwen2")
+    with pytest.raises(ValueError, match=r"random:llama.*random:qwen2"):
+        B.load_dataset(out, other)
+    with pytest.raises(ValueError, match="random:llama"):
+        B.build_dataset(other, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, resume=True,
+                        progress=False)
+
+
+def test_build_empty_prompt_file(tiny, tmp_path):
+    empty = tmp_path / "none.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="none.jsonl"):
+        B.build_dataset(tiny, [str(empty)], tmp_path / "ds", progress=False)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_interrupted_build_is_not_complete_and_resumes(tiny, tmp_path, monkeypatch):
+    src = str(_prompts(tmp_path / "a.jsonl", 6))
+    out = tmp_path / "ds"
+    real, calls = B.generate_batch, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(B, "generate_batch", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        B.build_dataset(tiny, [src], out, max_new_tokens=4, batch_size=2, progress=False)
+    man = B.read_manifest(out)
+    assert man["complete"] is False and man["counts"]["prompts"] == 2
+    with open(out / "data-00000.jsonl", "a") as f:
+        f.write('{"id": "torn", "prompt_ids": [1')  # a crash mid-write
+    monkeypatch.setattr(B, "generate_batch", real)
+    man = B.build_dataset(tiny, [src], out, max_new_tokens=4, batch_size=2, resume=True,
+                          progress=False)
+    assert man["complete"] and man["counts"]["prompts"] == 6
+    assert sorted(r["id"] for r in _rows(out)) == [f"q{i}" for i in range(6)]
+
+
+def test_mixed_sources_interleave(tiny, tmp_path):
+    man = B.build_dataset(tiny, ["stdlib", "sharegpt"], tmp_path / "ds", max_prompts=4,
+                          max_new_tokens=2, batch_size=4, max_prompt_tokens=64, progress=False)
+    rows = _rows(tmp_path / "ds")
+    assert man["complete"] and man["counts"]["prompts"] + man["counts"]["skipped_too_long"] == 4
+    assert {r["source"] for r in rows} <= {"stdlib", "sharegpt"} and "stdlib" in {r["source"] for r in rows}
+    assert all(len(r["prompt_ids"]) <= 64 for r in rows)
+
+
+def test_cli_parser_registers_data_build():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd")
+    B.add_data_parser(sub)
+    args = p.parse_args(["data", "build", "--prompts", "stdlib", "sharegpt", "--out", "x", "--resume"])
+    assert args.func is B._cmd_build and args.prompts == ["stdlib", "sharegpt"] and args.resume
+    assert args.dtype == "bfloat16" and args.target == "smollm2-135m"
