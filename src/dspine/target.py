@@ -164,6 +164,8 @@ class Target:
         self.name = name
         self.path = path
         cfg = model.config
+        from .hybrid import hybrid_family  # refuses unknown hybrids / non-fp32 recurrent state
+        self.hybrid: str | None = hybrid_family(cfg)  # None (dense), "qwen3_5" or "qwen3_next"
         self.config = getattr(cfg, "text_config", None) or cfg
         self.hidden_size: int = self.config.hidden_size
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
@@ -199,7 +201,10 @@ class Target:
 
     # -- forward ------------------------------------------------------------------------
     def new_cache(self) -> TargetCache:
-        """An empty cache for one request."""
+        """An empty cache for one request (:class:`dspine.hybrid.ReplayCache` for hybrid targets)."""
+        if self.hybrid is not None:
+            from .hybrid import ReplayCache
+            return ReplayCache(self.model)
         return TargetCache(self.model)
 
     @torch.no_grad()

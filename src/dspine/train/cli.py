@@ -78,13 +78,13 @@ def cmd_train(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype="float32")
-    data = load_dataset(args.data, target)
+    data = [s for d in args.data for s in load_dataset(d, target)]
     seqs = [(s.input_ids, s.response_start) for s in data if len(s.input_ids) - s.response_start >= 2]
     if not seqs:
         raise ValueError(f"--data {args.data}: no usable sequences (need responses of >= 2 tokens)")
     cfg = _drafter_config(args, target)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
-                     max_len=args.max_len, lr=args.lr, seed=args.seed, save_every=args.save_every,
+                     max_len=args.max_len, lr=args.lr, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
                      eval_every=args.eval_every, vocab_subset=args.vocab_subset,
                      feature_dtype=args.feature_dtype, autocast_bf16=args.bf16_autocast,
                      memo_features=not args.no_memo_features)
@@ -103,7 +103,7 @@ def cmd_train(args) -> int:
         target.dtype = torch.float32
         tr.model.to(torch.float32)
         acc = measure_acceptance(target, tr.model, n=args.eval_prompts, max_new_tokens=64) if args.eval_prompts else {}
-        card = {"target": args.target, "mode": cfg.mode, "data": str(args.data),
+        card = {"target": args.target, "mode": cfg.mode, "data": [str(d) for d in args.data],
                 "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
                 "steps": tr.step, "train_config": json.loads(json.dumps(tc.__dict__)),
                 "wall_time_s": round(tr.wall, 1), "world_size": world,
@@ -133,7 +133,8 @@ def cmd_acceptance(args) -> int:
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a DSpine or DFlash-style drafter for a target")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--data", required=True, help="directory built by `dspine data build`")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="directories built by `dspine data build` / `dspine data text`")
     p.add_argument("--config", default="small", help="small | release | path to a drafter config.json")
     p.add_argument("--mode", default="dspine", choices=["dspine", "dflash"])
     p.add_argument("--out", required=True)
@@ -143,6 +144,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-len", type=int, default=384)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--vocab-subset", type=int, default=8192, help="CE over the N most frequent tokens (0 = all)")
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--no-memo-features", action="store_true",
