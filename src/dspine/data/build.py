@@ -16,7 +16,6 @@ Rows are appended one batch at a time with a single write + fsync; a torn last l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .generate import cpu_speed_patches, generate_batch, generate_batch_hf  # noqa: F401
 from .sources import iter_jsonl_prompts, training_prompts
 
 FORMAT = "dspine-data/1"
@@ -68,53 +68,6 @@ def encode_record(target, rec: dict) -> list[int]:
         return target.encode_prompt(text, chat=False)
     chat = rec.get("kind") != "code" and has_tmpl
     return target.encode_prompt(rec["prompt"], chat=chat)
-
-
-# -- CPU speed patches -------------------------------------------------------------------
-_F32_ATTN = "dspine_f32_sdpa"
-
-
-def _register_f32_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def f32_sdpa(module, query, key, value, attention_mask, **kw):
-        out, w = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
-                                        attention_mask, **kw)
-        return out.to(query.dtype), w
-
-    AttentionInterface.register(_F32_ATTN, f32_sdpa)
-    AttentionMaskInterface.register(_F32_ATTN, sdpa_mask)
-
-
-@contextlib.contextmanager
-def cpu_speed_patches(model):
-    """Temporary patches for fast batched CPU generation (measured on 1 core, bf16).
-
-    * the output head gets a contiguous input: with ``logits_to_keep=1`` the sliced
-      hidden state is non-contiguous and ``F.linear`` broadcasts (copies) the whole
-      [V, d] head per batch row (1.7 s of a 2.4 s prefill at batch 8);
-    * bf16/fp16 attention computed by SDPA in float32 (the bf16 CPU flash kernel took
-      ~70% of a decode step; decode 2.4x faster).
-    """
-    head = model.get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda mod, args: (args[0].contiguous(),) + args[1:])
-    old_impl = getattr(model.config, "_attn_implementation", None)
-    switched = False
-    if next(model.parameters()).dtype in (torch.bfloat16, torch.float16) and old_impl == "sdpa":
-        try:
-            _register_f32_attention()
-            model.set_attn_implementation(_F32_ATTN)
-            switched = True
-        except Exception:  # older/newer transformers without the interface: keep sdpa
-            switched = False
-    try:
-        yield "sdpa (float32 compute)" if switched else str(old_impl)
-    finally:
-        handle.remove()
-        if switched:
-            model.set_attn_implementation(old_impl)
 
 
 # -- shards and manifest -------------------------------------------------------------------
@@ -178,32 +131,6 @@ def _interleave(iters: list[Iterator[dict]]) -> Iterator[dict]:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-# -- generation -------------------------------------------------------------------------
-@torch.inference_mode()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: Iterable[int],
-                   pad_id: int) -> list[tuple[list[int], bool]]:
-    """Greedy continuations of left-padded ``prompts``: (response ids, finished) each.
-
-    A response ends with (and includes) its first EOS token; ``finished`` says one came.
-    """
-    eos = sorted(set(int(e) for e in eos_ids))
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         do_sample=False, temperature=None, top_p=None, top_k=None,
-                         pad_token_id=pad_id, eos_token_id=eos or None)
-    res = []
-    eos_set = set(eos)
-    for row in out[:, width:].tolist():
-        cut = next((k for k, t in enumerate(row) if t in eos_set), None)
-        res.append((row[:cut + 1], True) if cut is not None else (row, False))
-    return res
 
 
 def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompts: int | None = None,
@@ -427,6 +354,11 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("data", help="build and inspect drafter training data")
     sub = p.add_subparsers(dest="data_cmd", required=True)
     _add_build_args(sub.add_parser("build", help="regenerate target responses for prompt sources"))
+    from .text import add_text_args, cmd_text
+
+    text = sub.add_parser("text", help="teacher-forcing sequences from existing text (fast, EAGLE-style)")
+    add_text_args(text)
+    text.set_defaults(func=cmd_text)
     info = sub.add_parser("info", help="print a data directory's manifest summary")
     info.add_argument("dir")
     info.set_defaults(func=_cmd_info)

@@ -218,7 +218,8 @@ def iter_stdlib_prompts(modules: Iterable[str] | None = None, seed: int = 0,
     """Code-completion prompts cut from stdlib sources at function-body boundaries.
 
     Each prompt is up to ``context_chars`` of source (starting at a line start) ending
-    after a function header (and its docstring), so the model writes the body.
+    after a function header (and its docstring), without the final newline (BPE
+    tokenizers merge it with the next line's indentation), so the model writes the body.
     Modules are visited round-robin in seeded order, one cut per module per round,
     cuts in seeded order, at most ``per_module`` per module.
 
@@ -242,7 +243,8 @@ def iter_stdlib_prompts(modules: Iterable[str] | None = None, seed: int = 0,
             if start > 0:
                 nl = src.find("\n", start, cut)
                 start = nl + 1 if nl >= 0 else cut
-            text = src[start:cut]
+            # end before the newline: tokenizers merge "\n" with the next line's indent
+            text = src[start:cut].rstrip("\r\n")
             if text.strip():
                 yield {"id": f"{mod}:{cut}", "source": "stdlib", "kind": "code",
                        "prompt": text, "module": mod}
@@ -326,12 +328,14 @@ def _norm(text: str) -> str:
 
 @lru_cache(maxsize=1)
 def eval_texts() -> frozenset[str]:
-    """Normalized prompt texts of every eval-only benchmark (contamination guard)."""
+    """Normalized prompt texts of the eval-only benchmarks and of the held-out ShareGPT
+    prompts (contamination guard: a duplicate under another id is excluded too)."""
     texts = {_norm(r["prompt"]) for r in load_humaneval()}
     for r in load_mtbench():
         texts.update(_norm(t) for t in r["turns"])
     for r in load_bfcl():
         texts.update(_norm(m.get("content") or "") for m in r["messages"] if m.get("role") == "user")
+    texts.update(_norm(r["prompt"]) for r in heldout_prompts("chat"))  # held-out ShareGPT
     texts.discard("")
     return frozenset(texts)
 
@@ -371,7 +375,18 @@ def training_prompts(source: str, **kwargs) -> Iterator[dict]:
         it = iter_jsonl_prompts(source)
     else:
         raise ValueError(f"unknown prompt source {source!r}; use sharegpt, stdlib or a .jsonl path")
-    return (r for r in it if not is_eval_record(r))
+    return _dedupe(r for r in it if not is_eval_record(r))
+
+
+def _dedupe(records: Iterable[dict]) -> Iterator[dict]:
+    """Drop repeated prompt texts: a greedy target answers a repeat identically (ShareGPT
+    has e.g. ~250 first turns that read just "continue")."""
+    seen: set[str] = set()
+    for r in records:
+        key = _norm(_record_text(r)) if "prompt" in r else json.dumps(r.get("messages"), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            yield r
 
 
 def heldout_prompts(kind: str, n: int | None = None, **kwargs) -> list[dict]:
