@@ -1,0 +1,16 @@
+"""Benchmark harness (``dspine bench``, spec section 10).
+
+Every mode (``ar``, ``dflash``, ``dspine``, transformers ``hf`` and ``hf-pld``) runs on the
+same loaded target, precision, device, threads, prompts, context budget and decoding
+settings; :func:`check_fair` refuses a run where any of it differs. See
+:mod:`dspine.bench.harness` (protocol), :mod:`dspine.bench.workloads` (prompt sets),
+:mod:`dspine.bench.checks` (pass@1, tool-call validity) and :mod:`dspine.bench.report`
+(summary, cost model, Markdown, plots).
+"""
+from .harness import (GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, Harness,
+                      UnfairComparisonError, check_fair, check_rows_fair, require_batched_engine,
+                      run_bench, smoke_config)
+
+__all__ = ["GREEDY", "SAMPLED", "BenchConfig", "BenchError", "DecodeSetting", "Harness",
+           "UnfairComparisonError", "check_fair", "check_rows_fair", "require_batched_engine",
+           "run_bench", "smoke_config"]

@@ -1,0 +1,134 @@
+"""``dspine bench``: compare ar, dflash, dspine, hf and hf-pld under one setup (spec s.10).
+
+Smoke (CI; under 3 minutes on 2 cores)::
+
+    dspine bench --smoke --out benchmarks/smoke
+
+Full run (documented command; hours on a 2-core CPU, minutes on a GPU)::
+
+    dspine bench --out benchmarks/full --modes all --workloads all \\
+        --settings greedy,sampled --repeats 3 --warmup 2 \\
+        [--drafter-dspine PATH --drafter-dflash PATH] [--dtype bfloat16 --device cuda]
+
+Writes ``results.jsonl`` (one row per request, environment included), ``summary.json``,
+``report.md`` and ``speedup.png``, ``acceptance.png``, ``cycle_split.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
+from .workloads import parse_workloads
+
+
+def _settings(args) -> tuple[DecodeSetting, ...]:
+    out = []
+    for name in [s.strip() for s in args.settings.split(",") if s.strip()]:
+        if name == "greedy":
+            out.append(GREEDY)
+        elif name == "sampled":
+            out.append(DecodeSetting("sampled", args.temperature, args.top_k, args.top_p, args.min_p))
+        else:
+            raise BenchError(f"--settings {name!r}: unknown; accepted: greedy, sampled")
+    if not out:
+        raise BenchError("--settings: give greedy, sampled or both")
+    return tuple(out)
+
+
+def _concurrency(spec: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise BenchError(f"--concurrency {spec!r}: expected integers like 1 or 1,4") from None
+    if not vals:
+        raise BenchError("--concurrency: give at least one level")
+    return vals
+
+
+def config_from_args(args) -> BenchConfig:
+    """The single :class:`BenchConfig` every mode of the run shares."""
+    drafters = {}
+    for mode in ("dspine", "dflash"):
+        d = getattr(args, f"drafter_{mode}") or args.drafter
+        if d is not None:
+            drafters[mode] = d
+    given = {k: v for k, v in dict(
+        target=args.target, dtype=args.dtype, device=args.device, threads=args.threads,
+        modes=parse_modes(args.modes) if args.modes else None, drafters=drafters or None,
+        block_size=args.block_size, pld_tokens=args.pld_tokens,
+        workloads=tuple(parse_workloads(args.workloads)) if args.workloads else None,
+        limit=args.limit, max_new_tokens=args.max_new_tokens, context_tokens=args.context_tokens,
+        settings=_settings(args) if args.settings else None, repeats=args.repeats, warmup=args.warmup,
+        seed=args.seed, request_timeout_s=args.request_timeout, code_timeout_s=args.code_timeout,
+        concurrency=_concurrency(args.concurrency) if args.concurrency else None).items() if v is not None}
+    return smoke_config(**given) if args.smoke else BenchConfig(**given)
+
+
+def cmd_bench(args) -> int:
+    cfg = config_from_args(args)
+    out = args.out or ("benchmarks/smoke" if args.smoke else "benchmarks/run")
+    summary = run_bench(cfg, out, progress=not args.no_progress, plots=not args.no_plots)
+    brief = [{k: g.get(k) for k in ("workload", "setting", "mode", "n", "failures")}
+             | {"speedup_median": (g.get("speedup") or {}).get("median"), "tau_pooled": g.get("tau_pooled"),
+                "tokens_per_second": g.get("tokens_per_second_median")}
+             for g in summary["results"]]
+    print(json.dumps({"out": str(out), "wall_s": summary.get("wall_s"), "requests": summary["requests"],
+                      "results": brief, "notes": summary["notes"]}, default=str))
+    return 0
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``dspine bench`` (sets ``func``)."""
+    p = subparsers.add_parser("bench", help="benchmark every mode under one setup (spec s.10)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny run: 1 prompt per workload, 16 new tokens, greedy, ar+dspine+dflash+hf-pld")
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/smoke or benchmarks/run)")
+    p.add_argument("--target", default=None, help="target name or path (default smollm2-135m)")
+    p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16, for every mode")
+    p.add_argument("--device", default=None, help="cpu (default) | cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (smoke default 1)")
+    p.add_argument("--modes", default=None, help="comma list of ar,dflash,dspine,hf,hf-pld or all (default all)")
+    p.add_argument("--drafter", default=None, help="drafter for both speculative modes: 'random' or a directory")
+    p.add_argument("--drafter-dspine", default=None, help="dspine checkpoint dir or 'random' (default: shipped)")
+    p.add_argument("--drafter-dflash", default=None, help="dflash checkpoint dir or 'random' (default: shipped)")
+    p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16; smoke 4)")
+    p.add_argument("--pld-tokens", type=int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
+    p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools or all")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per workload")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override every workload's output budget")
+    p.add_argument("--context-tokens", type=int, default=None, help="prompt + output budget (default 2048; smoke 512)")
+    p.add_argument("--settings", default=None, help="greedy,sampled (default both; smoke greedy)")
+    p.add_argument("--temperature", type=float, default=SAMPLED.temperature)
+    p.add_argument("--top-k", type=int, default=SAMPLED.top_k)
+    p.add_argument("--top-p", type=float, default=SAMPLED.top_p)
+    p.add_argument("--min-p", type=float, default=SAMPLED.min_p)
+    p.add_argument("--repeats", type=int, default=None, help="repeats per prompt (default 3; smoke 1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up runs per mode and setting (default 1)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
+    p.add_argument("--code-timeout", type=float, default=None, help="seconds per HumanEval test run (default 10)")
+    p.add_argument("--concurrency", default=None,
+                   help="levels like 1 or 1,4 (above 1 needs the batched engine dspine.batch)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dspine.bench.cli ...``: same options as ``dspine bench``."""
+    parser = argparse.ArgumentParser(prog="dspine")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"dspine bench: error: {e}".splitlines()[0], file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

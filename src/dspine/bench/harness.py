@@ -1,0 +1,406 @@
+"""The benchmark protocol (spec section 10): one config, one target, every mode.
+
+All modes of a run share one :class:`BenchConfig` (target, dtype, device, threads,
+context length, decoding settings, prompts) and one loaded target object; the
+runners then report what they actually use and :func:`check_fair` refuses the run
+when any of it differs across modes (:class:`UnfairComparisonError`).
+:func:`check_rows_fair` applies the same rule to result rows (so a summary is never
+built over mixed runs).
+
+Protocol per concurrency level and decoding setting: every mode is warmed on the same
+short prompt (``warmup`` times; the last warm-up calibrates the per-cycle overhead of
+the cost model), then each prompt x repeat runs every mode back to back, the mode
+order rotated per request so slow drift of a shared host does not favour one mode.
+Sampled settings use seed ``seed + repeat`` for every mode.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import SamplingConfig
+from .runners import ALL_MODES, ENGINE_MODES, HF_MODES, make_runner
+from .workloads import WORKLOAD_NAMES, build_prompts, parse_workloads, warmup_prompt, workload_version
+
+
+class BenchError(ValueError):
+    """A benchmark setting the harness refuses (the message names it)."""
+
+
+class UnfairComparisonError(BenchError):
+    """Modes of one run differ in target, precision, device, threads or decoding settings."""
+
+
+@dataclass(frozen=True)
+class DecodeSetting:
+    """A named decoding setting shared by every mode (the seed varies per repeat)."""
+
+    name: str
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def sampling(self, seed: int = 0) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p, seed)
+
+
+GREEDY = DecodeSetting("greedy")
+SAMPLED = DecodeSetting("sampled", temperature=0.7, top_p=0.95)
+
+
+@dataclass
+class BenchConfig:
+    """Everything a run compares under; one object for all modes."""
+
+    target: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    modes: tuple[str, ...] = ALL_MODES
+    drafters: dict = field(default_factory=dict)  # mode -> checkpoint dir | "random"
+    block_size: int | None = None  # random drafters only
+    pld_tokens: int = 10
+    workloads: tuple[str, ...] = WORKLOAD_NAMES
+    limit: int | None = None
+    max_new_tokens: int | None = None
+    context_tokens: int = 2048
+    settings: tuple[DecodeSetting, ...] = (GREEDY, SAMPLED)
+    repeats: int = 3
+    warmup: int = 1
+    warmup_tokens: int | None = None
+    seed: int = 0
+    request_timeout_s: float = 600.0
+    code_timeout_s: float = 10.0
+    concurrency: tuple[int, ...] = (1,)
+    smoke: bool = False
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["settings"] = [asdict(s) for s in self.settings]
+        return d
+
+
+def smoke_config(**overrides) -> BenchConfig:
+    """The ``--smoke`` run: real default target, 1 prompt per workload, 16 new tokens,
+    greedy, ar + dspine + dflash (random drafters at block size 4 when none is shipped)
+    + hf-pld, one thread."""
+    base = dict(modes=("ar", "dspine", "dflash", "hf-pld"), limit=1, max_new_tokens=16,
+                settings=(GREEDY,), repeats=1, warmup=1, warmup_tokens=4, context_tokens=512,
+                threads=1, block_size=4, request_timeout_s=60.0, smoke=True)
+    base.update(overrides)
+    return BenchConfig(**base)
+
+
+# -- validation -----------------------------------------------------------------------------
+def parse_modes(spec: str | list[str]) -> tuple[str, ...]:
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [n.strip() for n in names if n.strip()]
+    if names == ["all"]:
+        return ALL_MODES
+    bad = [n for n in names if n not in ALL_MODES]
+    if bad or not names:
+        raise BenchError(f"--modes {','.join(bad) or '(empty)'}: unknown; accepted: {', '.join(ALL_MODES)} or all")
+    if len(set(names)) != len(names):
+        raise BenchError(f"--modes {','.join(names)}: a mode is listed twice")
+    return tuple(names)
+
+
+def require_batched_engine(concurrency: int) -> None:
+    """Concurrency above 1 needs the batched engine (``dspine.batch``); refuse otherwise."""
+    if concurrency < 1:
+        raise BenchError(f"--concurrency {concurrency}: must be >= 1")
+    if concurrency > 1 and importlib.util.find_spec("dspine.batch") is None:
+        raise BenchError(f"--concurrency {concurrency}: this build has no batched engine "
+                         f"(dspine.batch); only --concurrency 1 can be measured")
+
+
+def resolve_drafters(cfg: BenchConfig) -> dict:
+    """Drafter per speculative mode: explicit > shipped checkpoint > random (smoke only)."""
+    from ..cli import default_drafter_path
+
+    out = {}
+    for mode in ("dspine", "dflash"):
+        if mode not in cfg.modes:
+            continue
+        d = cfg.drafters.get(mode)
+        if d is None:
+            p = default_drafter_path(cfg.target, mode)
+            d = str(p) if p is not None else ("random" if cfg.smoke else None)
+        if d is None:
+            raise BenchError(f"no shipped {mode} drafter for --target {cfg.target!r}; pass "
+                             f"--drafter-{mode} PATH (a trained checkpoint) or --drafter random")
+        out[mode] = d
+    return out
+
+
+def check_fair(records: dict[str, dict], what: str = "setup") -> None:
+    """Refuse a comparison whose modes differ in any field of ``records`` (mode -> dict).
+
+    Raises:
+        UnfairComparisonError: naming the differing fields and the value per mode.
+    """
+    if len(records) < 2:
+        return
+    keys = sorted(set().union(*(r.keys() for r in records.values())))
+    diffs = []
+    for k in keys:
+        vals = {m: json.dumps(r.get(k), sort_keys=True, default=str) for m, r in records.items()}
+        if len(set(vals.values())) > 1:
+            diffs.append(f"{k} (" + ", ".join(f"{m}: {records[m].get(k)!r}" for m in records) + ")")
+    if diffs:
+        raise UnfairComparisonError(
+            f"unfair comparison: {what} differs across modes in {'; '.join(diffs)}. Every mode of a "
+            f"run must share one target checkpoint, dtype, device, threads, prompts and decoding settings")
+
+
+def _prompt_hash(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def check_rows_fair(rows: list[dict]) -> None:
+    """Result rows of one comparison must share the setup, and per request the prompt and
+    decoding settings, across modes (raises :class:`UnfairComparisonError`)."""
+    rows = [r for r in rows if not r.get("warmup")]
+    seen: set[str] = set()
+    setups: dict[str, dict] = {}
+    for r in rows:  # one entry per distinct setup (a mode seen twice with another setup too)
+        js = json.dumps(r["setup"], sort_keys=True, default=str)
+        if js not in seen:
+            seen.add(js)
+            label = r["mode"] if r["mode"] not in setups else f"{r['mode']} (run {r.get('run_id')})"
+            setups[label] = r["setup"]
+    check_fair(setups, "setup")
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["concurrency"], r["setting"], r["workload"], r["prompt_id"], r["repeat"])
+        groups.setdefault(key, {})[r["mode"]] = {"prompt": r["prompt_hash"], "decoding": r["decoding"],
+                                                 "seed": r["seed"], "workload": r["workload_version"]}
+    for key, recs in groups.items():
+        check_fair(recs, f"request {key[2]}/{key[3]} (setting {key[1]}, repeat {key[4]})")
+
+
+# -- environment ---------------------------------------------------------------------------------
+def _git(*args: str) -> str | None:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def environment(target, cfg: BenchConfig) -> dict:
+    """Versions, threads, dtype, device, host and git commit of this run."""
+    import transformers
+
+    from .. import __version__ as dspine_version
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    dev = str(target.device)
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    env = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "dspine": dspine_version,
+        "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+        "dtype": str(target.dtype).replace("torch.", ""), "device": dev,
+        "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu,
+        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+        "target": target.name, "target_path": target.path,
+    }
+    return env
+
+
+# -- the run ------------------------------------------------------------------------------------
+def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
+    from .checks import check_multifile, check_tool_call, run_humaneval
+
+    if prompt.workload == "code":
+        m = prompt.meta
+        r = run_humaneval(m["prompt"], text, m["test"], m["entry_point"], cfg.code_timeout_s)
+        return {"check": r["result"], "check_error": r["error"]}
+    if prompt.workload == "tools":
+        r = check_tool_call(text, prompt.meta["functions"])
+        return {"check": r["result"], "check_error": r["error"], "calls": r["calls"]}
+    if prompt.workload == "multifile":
+        return {"check": check_multifile(text, prompt.meta)["result"], "check_error": None}
+    return {}
+
+
+class Harness:
+    """Loads the target once, builds every mode's runner over it, checks fairness,
+    runs the protocol and writes rows (see module docstring)."""
+
+    def __init__(self, cfg: BenchConfig, target=None):
+        from ..target import load_target
+
+        self.cfg = cfg
+        parse_modes(list(cfg.modes))
+        parse_workloads(list(cfg.workloads))
+        for c in cfg.concurrency:
+            require_batched_engine(c)
+        if cfg.repeats < 1 or cfg.warmup < 0:
+            raise BenchError(f"--repeats must be >= 1 and --warmup >= 0 (got {cfg.repeats}, {cfg.warmup})")
+        if not cfg.settings:
+            raise BenchError("--settings: give at least one decoding setting")
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        self.drafters = resolve_drafters(cfg)
+        if target is not None and (target.name != cfg.target
+                                   or str(target.dtype).replace("torch.", "") != cfg.dtype):
+            raise UnfairComparisonError(f"the preloaded target ({target.name}, {target.dtype}) is not the "
+                                        f"configured one ({cfg.target}, {cfg.dtype})")
+        self.target = target if target is not None else load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+        self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens)
+                        for m in cfg.modes}
+        self.check_setup()
+        self.env = environment(self.target, cfg)
+        self.prompts, self.skipped = build_prompts(self.target, list(cfg.workloads), cfg.limit,
+                                                   cfg.context_tokens, cfg.max_new_tokens)
+        if not self.prompts:
+            raise BenchError("no prompt fits: raise --context-tokens or lower --max-new-tokens")
+        self.warm = warmup_prompt(self.target, cfg.warmup_tokens)
+
+    def check_setup(self) -> None:
+        """Refuse the run unless every runner uses the same target/dtype/device/threads and
+        applies the same decoding settings for each configured setting."""
+        check_fair({m: r.identity() for m, r in self.runners.items()}, "setup")
+        for s in self.cfg.settings:
+            check_fair({m: r.decoding(s.sampling(self.cfg.seed), 16, ["\n#"]) for m, r in self.runners.items()},
+                       f"decoding setting {s.name!r}")
+
+    def _order(self, k: int) -> list[str]:
+        modes = list(self.cfg.modes)
+        r = k % len(modes)
+        return modes[r:] + modes[:r]
+
+    def _row(self, mode: str, prompt, setting: DecodeSetting, repeat: int, seed: int, concurrency: int,
+             res: dict, warmup: bool = False) -> dict:
+        runner = self.runners[mode]
+        row = {
+            "run_id": self.run_id, "mode": mode, "workload": prompt.workload,
+            "workload_version": workload_version(prompt.workload) if prompt.workload != "warmup" else "warmup",
+            "prompt_id": prompt.id, "prompt_hash": _prompt_hash(prompt.prompt_ids), "repeat": repeat,
+            "setting": setting.name, "seed": seed, "concurrency": concurrency, "warmup": warmup,
+            "decoding": runner.decoding(setting.sampling(seed), prompt.max_new_tokens, prompt.stop),
+            "setup": runner.identity(), "mode_info": runner.info(),
+            "context_tokens": self.cfg.context_tokens,
+        }
+        row.update(res)
+        row["failed"] = res["finish_reason"] in ("timeout", "error")
+        if not warmup:
+            row.update(_sandbox_check(prompt, res.get("text", ""), self.cfg))
+        row["env"] = self.env
+        return row
+
+    def _run_one(self, mode: str, prompt, setting: DecodeSetting, seed: int) -> dict:
+        try:
+            return self.runners[mode].run(prompt.prompt_ids, setting.sampling(seed), prompt.max_new_tokens,
+                                          prompt.stop, self.cfg.request_timeout_s)
+        except (RuntimeError, MemoryError) as e:  # a crashed request is a failure, not a crash
+            return {"output_ids": [], "text": "", "finish_reason": "error", "error": f"{type(e).__name__}: {e}",
+                    "prompt_tokens": len(prompt.prompt_ids), "output_tokens": 0}
+
+    def run(self, out_dir: str | Path, progress: bool = True) -> list[dict]:
+        """Run the protocol, appending rows to ``out_dir/results.jsonl``; returns the rows."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.run_id = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+        rows: list[dict] = []
+        n_req = len(self.prompts) * cfg.repeats * len(cfg.settings)
+        total = 0
+        for c in cfg.concurrency:
+            modes_c = [m for m in cfg.modes if c == 1 or m in ENGINE_MODES]
+            total += (len(modes_c) * cfg.warmup if c == 1 else 0) * len(cfg.settings) + n_req * len(modes_c)
+        bar = tqdm(total=total, desc="dspine bench", unit="req", disable=not progress, dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 10.0)
+        with open(out / "results.jsonl", "w", encoding="utf-8") as f:
+            def emit(row: dict) -> None:
+                rows.append(row)
+                f.write(json.dumps(row, default=str) + "\n")
+                f.flush()
+
+            for c in cfg.concurrency:
+                for setting in cfg.settings:
+                    if c == 1:
+                        for mode in cfg.modes:
+                            for w in range(cfg.warmup):
+                                bar.set_postfix_str(f"warm-up {mode}")
+                                res = self._run_one(mode, self.warm, setting, cfg.seed)
+                                emit(self._row(mode, self.warm, setting, w, cfg.seed, c, res, warmup=True))
+                                bar.update(1)
+                        k = 0
+                        for p in self.prompts:
+                            for rep in range(cfg.repeats):
+                                for mode in self._order(k):
+                                    bar.set_postfix_str(f"{setting.name} {p.workload} {mode}")
+                                    seed = cfg.seed + rep
+                                    emit(self._row(mode, p, setting, rep, seed, c,
+                                                   self._run_one(mode, p, setting, seed)))
+                                    bar.update(1)
+                                k += 1
+                    else:
+                        self._run_concurrent(c, setting, emit, bar)
+        bar.close()
+        return rows
+
+    def _run_concurrent(self, c: int, setting: DecodeSetting, emit, bar) -> None:
+        from ..batch import BatchEngine
+
+        for mode in self.cfg.modes:
+            if mode in HF_MODES:
+                continue  # transformers' generate with prompt lookup serves batch 1 only
+            runner = self.runners[mode]
+            for wl in self.cfg.workloads:
+                items = [(p, rep) for p in self.prompts if p.workload == wl for rep in range(self.cfg.repeats)]
+                if not items:
+                    continue
+                be = BatchEngine(runner.engine, max_running=c)
+                t0 = time.perf_counter()
+                rows = runner.concurrent(be, items, lambda rep: setting.sampling(self.cfg.seed + rep),
+                                         self.cfg.request_timeout_s)
+                wall = time.perf_counter() - t0
+                for (p, rep), res in zip(items, rows):
+                    row = self._row(mode, p, setting, rep, self.cfg.seed + rep, c, res)
+                    row["phase_wall_s"] = wall
+                    emit(row)
+                    bar.update(1)
+
+
+def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plots: bool = True,
+              target=None) -> dict:
+    """Run the benchmark and write ``results.jsonl``, ``summary.json``, ``report.md`` and
+    the plots into ``out_dir``. Returns the summary."""
+    from .report import summarize, write_report
+
+    t0 = time.perf_counter()
+    h = Harness(cfg, target=target)
+    rows = h.run(out_dir, progress=progress)
+    summary = summarize(rows, cfg=cfg.to_dict(), skipped=h.skipped, drafters=h.drafters)
+    summary["wall_s"] = round(time.perf_counter() - t0, 2)
+    write_report(summary, out_dir, plots=plots)
+    return summary
+
+
+__all__ = ["BenchConfig", "BenchError", "DecodeSetting", "GREEDY", "SAMPLED", "Harness",
+           "UnfairComparisonError", "check_fair", "check_rows_fair", "parse_modes",
+           "require_batched_engine", "run_bench", "smoke_config"]

@@ -1,0 +1,396 @@
+"""Summary, cost model, Markdown report and plots of a benchmark run.
+
+Cost model (spec section 10): per mode, the measured time per output token after
+prefill (sum of decode time / tokens after the first emission) is compared with
+
+    model = (C + O) / tau,   C = (draft + final stage + verification time) per cycle,
+                             tau = tokens emitted per cycle (pooled over cycles),
+                             O = overhead per cycle measured on the mode's last warm-up
+
+reported side by side with ``C / tau`` (the cost before scheduling overhead) and
+flagged when model and measurement differ by more than 10%. For the transformers
+modes the split is not observable: C is the mean interval between streamer puts
+(overhead included) and O = 0.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from .harness import check_rows_fair
+
+COST_MODEL_TOLERANCE = 0.10
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs: list[float]) -> dict | None:
+    xs = [x for x in xs if x is not None and x > 0 and math.isfinite(x)]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs),
+            "geomean": math.exp(sum(math.log(x) for x in xs) / len(xs))}
+
+
+def _first_tokens(r: dict) -> int:
+    return int(r.get("first_cycle_tokens", 1) or 1)
+
+
+def _overheads(warm: list[dict]) -> dict:
+    """(concurrency, setting, mode) -> overhead per cycle from the last warm-up run."""
+    out = {}
+    for r in warm:
+        if r.get("split_measured") and r.get("cycles"):
+            out[(r["concurrency"], r["setting"], r["mode"])] = r["overhead_s"] / r["cycles"]
+    return out
+
+
+def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None) -> dict:
+    ok = [r for r in rows if not r.get("failed")]
+    g: dict = {"n": len(rows), "failures": sum(1 for r in rows if r.get("failed")),
+               "timeouts": sum(1 for r in rows if r.get("finish_reason") == "timeout"),
+               "errors": sum(1 for r in rows if r.get("finish_reason") == "error")}
+    g["mode_info"] = rows[0].get("mode_info", {})
+    g["block_size"] = g["mode_info"].get("block_size")
+    g["output_tokens_mean"] = statistics.mean(r["output_tokens"] for r in rows) if rows else 0
+    g["ttft_s_median"] = _median([r.get("ttft_s") for r in ok])
+    g["tokens_per_second_median"] = _median([r.get("tokens_per_second") for r in ok])
+    g["e2e_s_median"] = _median([r.get("e2e_s") for r in ok])
+    g["peak_memory_bytes_max"] = max((r.get("peak_memory_bytes") or 0 for r in rows), default=0)
+    g["peak_memory_kind"] = rows[0].get("peak_memory_kind")
+    # speedup over ar on the same request (prompt, repeat, setting)
+    sp, e2e, match = [], [], []
+    for r in ok:
+        a = ar_rows.get((r["prompt_id"], r["repeat"]))
+        if a is None or a.get("failed"):
+            continue
+        if r.get("tokens_per_second") and a.get("tokens_per_second"):
+            sp.append(r["tokens_per_second"] / a["tokens_per_second"])
+        if r.get("e2e_s") and a.get("e2e_s"):
+            e2e.append(a["e2e_s"] / r["e2e_s"])
+        if r["setting"] == "greedy":
+            match.append(r["output_ids"] == a["output_ids"])
+    g["speedup"] = _spread(sp)
+    g["e2e_speedup"] = _spread(e2e)
+    g["greedy_matches_ar"] = (sum(match) / len(match)) if match else None
+    # acceptance
+    cyc = sum(r.get("cycles") or 0 for r in ok)
+    emitted = sum(r.get("emitted_sum") or 0 for r in ok)
+    taus = [r["tau"] for r in ok if r.get("cycles")]
+    g["cycles"] = cyc
+    g["tau_mean"] = statistics.mean(taus) if taus else None
+    g["tau_pooled"] = emitted / cyc if cyc else None
+    L = max((len(r.get("drafted_counts") or []) for r in ok), default=0)
+    dr = [sum((r.get("drafted_counts") or [])[k] for r in ok if len(r.get("drafted_counts") or []) > k) for k in range(L)]
+    ac = [sum((r.get("accepted_counts") or [])[k] for r in ok if len(r.get("accepted_counts") or []) > k) for k in range(L)]
+    g["acceptance_per_position"] = [a / d if d else None for a, d in zip(ac, dr)]
+    vl = [n for r in ok for n in (r.get("verification_lengths") or [])]
+    g["verification_length_mean"] = statistics.mean(vl) if vl else None
+    # cycle split and cost model
+    split = all(r.get("split_measured") for r in ok) and bool(ok)
+    dec = sum(r.get("decode_s") or 0 for r in ok)
+    toks = sum(max(0, r["output_tokens"] - _first_tokens(r)) for r in ok)
+    cm: dict = {"measured_s_per_token": dec / toks if toks else None, "split_measured": split}
+    if cyc:
+        if split:
+            d = sum(r["draft_s"] for r in ok) / cyc
+            f = sum(r["final_stage_s"] for r in ok) / cyc
+            v = sum(r["verify_s"] for r in ok) / cyc
+            o_run = sum(r["overhead_s"] for r in ok) / cyc
+            g["cycle_split_s"] = {"draft": d, "final_stage": f, "verify": v, "overhead": o_run}
+            C = d + f + v
+            O = overhead if overhead is not None else 0.0
+        else:
+            C = sum(r.get("cycle_s") or 0 for r in ok) / cyc
+            g["cycle_split_s"] = {"cycle_unsplit": C}
+            O = 0.0
+        tau = g["tau_pooled"]
+        cm.update(cycle_cost_s=C, overhead_per_cycle_s=O, tau=tau, cost_before_overhead_s_per_token=C / tau,
+                  overhead_s_per_token=O / tau, model_s_per_token=(C + O) / tau)
+        if cm["measured_s_per_token"]:
+            err = cm["model_s_per_token"] / cm["measured_s_per_token"] - 1
+            cm["error"] = err
+            cm["flag"] = abs(err) > COST_MODEL_TOLERANCE
+    g["cost_model"] = cm
+    # workload checks
+    checks = [r.get("check") for r in rows if r.get("check")]
+    if checks:
+        counts: dict = {}
+        for c in checks:
+            counts[c] = counts.get(c, 0) + 1
+        g["check_counts"] = counts
+        wl = rows[0]["workload"]
+        if wl == "code":
+            passed = counts.get("passed", 0)
+            g["pass_at_1"] = passed / len(rows)
+            g["e2e_s_per_correct_task"] = (sum(r.get("e2e_s") or 0 for r in rows) / passed) if passed else None
+        elif wl == "tools":
+            g["valid_call_rate"] = counts.get("valid", 0) / len(rows)
+            g["tool_failures"] = len(rows) - counts.get("valid", 0)
+        elif wl == "multifile":
+            checked = sum(v for k, v in counts.items() if k != "unchecked")
+            g["answer_rate"] = counts.get("correct", 0) / checked if checked else None
+    return g
+
+
+def summarize(rows: list[dict], cfg: dict | None = None, skipped: list | None = None,
+              drafters: dict | None = None) -> dict:
+    """Aggregate result rows (after :func:`check_rows_fair`) into the summary dict."""
+    check_rows_fair(rows)
+    rec = [r for r in rows if not r.get("warmup")]
+    warm = [r for r in rows if r.get("warmup")]
+    ovh = _overheads(warm)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rec:
+        groups.setdefault((r["concurrency"], r["setting"], r["workload"], r["mode"]), []).append(r)
+    results = []
+    for (c, s, w, m), rs in groups.items():
+        ar = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, "ar"), [])}
+        g = _group_stats(rs, ar if m != "ar" else {}, ovh.get((c, s, m)))
+        if m == "ar":
+            g["speedup"] = g["e2e_speedup"] = None
+        g.update(concurrency=c, setting=s, workload=w, mode=m, workload_version=rs[0]["workload_version"])
+        if c > 1 and "phase_wall_s" in rs[0]:
+            g["throughput_tokens_per_s"] = sum(r["output_tokens"] for r in rs) / rs[0]["phase_wall_s"]
+        results.append(g)
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    order = {m: i for i, m in enumerate(modes)}
+    wls = {w: i for i, w in enumerate(dict.fromkeys(r["workload"] for r in rec))}
+    sets = {s: i for i, s in enumerate(dict.fromkeys(r["setting"] for r in rec))}
+    results.sort(key=lambda g: (g["concurrency"], sets[g["setting"]], wls[g["workload"]], order[g["mode"]]))
+    notes = []
+    if drafters and any(v == "random" for v in drafters.values()):
+        notes.append("Untrained (random) drafters: speculative speed and acceptance numbers only "
+                     "exercise the harness; they say nothing about DSpine vs DFlash.")
+    cards = {m: r.get("mode_info", {}).get("card") for m, r in ((r["mode"], r) for r in rec)
+             if r.get("mode_info", {}).get("card")}
+    if len(cards) == 2:
+        keys = ("data", "steps", "tokens", "train_data", "train_steps")
+        a, b = cards.get("dspine", {}), cards.get("dflash", {})
+        diff = [k for k in keys if k in a and k in b and a[k] != b[k]]
+        if diff:
+            notes.append(f"The dspine and dflash drafters were trained differently ({', '.join(diff)}); "
+                         f"spec s.10 compares them only after equal data, steps and compute.")
+    if cfg and any(c > 1 for c in cfg.get("concurrency", [1])) and any(m in ("hf", "hf-pld") for m in modes):
+        notes.append("hf and hf-pld are measured at concurrency 1 only (transformers' prompt-lookup "
+                     "generate serves one sequence at a time).")
+    for g in results:
+        if g["cost_model"].get("flag"):
+            notes.append(f"Cost model off by {100 * g['cost_model']['error']:+.0f}% for {g['mode']} on "
+                         f"{g['workload']} ({g['setting']}, concurrency {g['concurrency']}).")
+        if g.get("greedy_matches_ar") is not None and g["greedy_matches_ar"] < 1:
+            notes.append(f"{g['mode']} on {g['workload']}: {100 * (1 - g['greedy_matches_ar']):.0f}% of greedy "
+                         f"outputs differ from ar (float reduction order or a bug).")
+    first = rec[0] if rec else (rows[0] if rows else {})
+    return {"format": "dspine-bench-summary/1", "run_id": first.get("run_id"), "env": first.get("env"),
+            "setup": first.get("setup"), "config": cfg, "drafters": drafters, "modes": modes,
+            "mode_info": {r["mode"]: r.get("mode_info") for r in rec},
+            "skipped_prompts": skipped or [], "results": results, "notes": notes,
+            "requests": len(rec), "warmup_requests": len(warm)}
+
+
+# -- rendering ----------------------------------------------------------------------------------
+def _f(x, fmt="{:.2f}", none="–"):
+    return none if x is None else fmt.format(x)
+
+
+def _sp(s: dict | None) -> str:
+    if not s:
+        return "–"
+    return f"{s['median']:.2f}x ({s['min']:.2f}–{s['max']:.2f}, n={s['n']})"
+
+
+def _check_cell(g: dict) -> str:
+    if "pass_at_1" in g:
+        t = _f(g.get("e2e_s_per_correct_task"), "{:.1f}s")
+        return f"pass@1 {100 * g['pass_at_1']:.0f}%, {t}/correct"
+    if "valid_call_rate" in g:
+        return f"valid {100 * g['valid_call_rate']:.0f}% ({g['tool_failures']} failed)"
+    if g.get("answer_rate") is not None:
+        return f"right file {100 * g['answer_rate']:.0f}%"
+    return "–"
+
+
+def render_markdown(summary: dict, plots: list[str]) -> str:
+    env, cfg = summary.get("env") or {}, summary.get("config") or {}
+    L = ["# dspine bench report", ""]
+    L.append(f"Run `{summary.get('run_id')}`, {summary['requests']} recorded requests "
+             f"(+{summary['warmup_requests']} warm-up), wall {summary.get('wall_s', '?')} s."
+             + (" **Smoke run** (tiny; not a measurement)." if cfg.get("smoke") else ""))
+    L += ["", "## Setup shared by every mode", "",
+          "| field | value |", "|---|---|"]
+    settings = ", ".join(f"{s['name']} (T={s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}, "
+                         f"min-p {s['min_p']})" for s in cfg.get("settings", []))
+    for k, v in [("target", f"{env.get('target')} ({env.get('target_path')})"),
+                 ("weights fingerprint", (summary.get("setup") or {}).get("weights")),
+                 ("dtype / device", f"{env.get('dtype')} / {env.get('device')} ({env.get('device_name')})"),
+                 ("threads", f"{env.get('torch_threads')} torch ({env.get('cpu_count')} CPUs)"),
+                 ("build", f"dspine {env.get('dspine')} @ {str(env.get('git_commit'))[:10]}"
+                           f"{' (dirty)' if env.get('git_dirty') else ''}, torch {env.get('torch')}, "
+                           f"transformers {env.get('transformers')}, Python {env.get('python')}"),
+                 ("context tokens", cfg.get("context_tokens")), ("decoding settings", settings),
+                 ("repeats / warm-up", f"{cfg.get('repeats')} / {cfg.get('warmup')} per mode and setting"),
+                 ("concurrency", ", ".join(str(c) for c in cfg.get("concurrency", [1])))]:
+        L.append(f"| {k} | {v} |")
+    L += ["", "| mode | drafter | block size | details |", "|---|---|---|---|"]
+    for m, info in (summary.get("mode_info") or {}).items():
+        info = info or {}
+        det = ", ".join(f"{k}={info[k]}" for k in ("bridge", "final_stage", "block_causal", "prompt_lookup_num_tokens",
+                                                  "max_matching_ngram_size", "drafter_dtype") if k in info)
+        L.append(f"| {m} | {info.get('drafter') or '–'} | {info.get('block_size', '–')} | {det or '–'} |")
+    if summary.get("skipped_prompts"):
+        L += ["", f"Skipped prompts: {len(summary['skipped_prompts'])} "
+                  f"({'; '.join(s['id'] + ': ' + s['reason'] for s in summary['skipped_prompts'][:5])})"]
+    res = summary["results"]
+    keys = list(dict.fromkeys((g["concurrency"], g["setting"], g["workload"]) for g in res))
+    for c, s, w in keys:
+        gs = [g for g in res if (g["concurrency"], g["setting"], g["workload"]) == (c, s, w)]
+        L += ["", f"## {w} ({gs[0]['workload_version']}), {s}, concurrency {c}", "",
+              "| mode | n | out tok | TTFT s | tok/s | e2e s | speedup tok/s vs ar (min–max) | e2e speedup "
+              "| tau mean / pooled | verif. len | peak MB | failed | check |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for g in gs:
+            L.append(f"| {g['mode']} | {g['n']} | {g['output_tokens_mean']:.0f} | {_f(g['ttft_s_median'], '{:.3f}')} "
+                     f"| {_f(g['tokens_per_second_median'])} | {_f(g['e2e_s_median'])} | {_sp(g['speedup'])} "
+                     f"| {_sp(g['e2e_speedup'])} | {_f(g['tau_mean'])} / {_f(g['tau_pooled'])} "
+                     f"| {_f(g['verification_length_mean'], '{:.1f}')} | {g['peak_memory_bytes_max'] / 2**20:.0f} "
+                     f"| {g['failures']} ({g['timeouts']} timeouts) | {_check_cell(g)} |")
+    L += ["", "## Cost model (s per output token after prefill)", "",
+          "C = draft + final stage + verification per cycle, O = overhead per cycle (warm-up), "
+          f"tau pooled; flagged when model and measurement differ by more than {100 * COST_MODEL_TOLERANCE:.0f}%.", "",
+          "| concurrency | setting | workload | mode | measured | C/tau | O/tau | model (C+O)/tau | error | split ms/cycle |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for g in res:
+        cm = g["cost_model"]
+        split = " / ".join(f"{k} {1000 * v:.1f}" for k, v in (g.get("cycle_split_s") or {}).items())
+        flag = " **FLAG**" if cm.get("flag") else ""
+        L.append(f"| {g['concurrency']} | {g['setting']} | {g['workload']} | {g['mode']} "
+                 f"| {_f(cm.get('measured_s_per_token'), '{:.4f}')} | {_f(cm.get('cost_before_overhead_s_per_token'), '{:.4f}')} "
+                 f"| {_f(cm.get('overhead_s_per_token'), '{:.4f}')} | {_f(cm.get('model_s_per_token'), '{:.4f}')} "
+                 f"| {_f(cm.get('error'), '{:+.1%}')}{flag} | {split or '–'} |")
+    if plots:
+        L += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    if summary.get("notes"):
+        L += ["", "## Notes", ""] + [f"- {n}" for n in summary["notes"]]
+    L.append("")
+    return "\n".join(L)
+
+
+def make_plots(summary: dict, out_dir: Path) -> list[str]:
+    """speedup.png, acceptance.png, cycle_split.png (concurrency 1); returns file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [g for g in summary["results"] if g["concurrency"] == 1]
+    if not res:
+        return []
+    settings = list(dict.fromkeys(g["setting"] for g in res))
+    workloads = list(dict.fromkeys(g["workload"] for g in res))
+    modes = [m for m in summary["modes"] if m != "ar"]
+    files = []
+    # 1. speedup per workload and mode
+    fig, axes = plt.subplots(1, len(settings), figsize=(max(6, 1.6 * len(workloads)) * len(settings), 4), squeeze=False)
+    for ax, s in zip(axes[0], settings):
+        width = 0.8 / max(1, len(modes))
+        for i, m in enumerate(modes):
+            xs, ys, lo, hi = [], [], [], []
+            for j, w in enumerate(workloads):
+                g = next((g for g in res if (g["setting"], g["workload"], g["mode"]) == (s, w, m)), None)
+                if g and g.get("speedup"):
+                    sp = g["speedup"]
+                    xs.append(j + (i - (len(modes) - 1) / 2) * width)
+                    ys.append(sp["median"])
+                    lo.append(sp["median"] - sp["min"])
+                    hi.append(sp["max"] - sp["median"])
+            if xs:
+                ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_ylabel("speedup over ar (tok/s, median, min–max)")
+        ax.set_title(f"speedup ({s})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=100)
+    plt.close(fig)
+    files.append("speedup.png")
+    # 2. per-position acceptance (pooled over workloads)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drew = False
+    for s in settings:
+        for m in modes:
+            gs = [g for g in res if g["setting"] == s and g["mode"] == m and g.get("acceptance_per_position")]
+            if not gs:
+                continue
+            L = max(len(g["acceptance_per_position"]) for g in gs)
+            ys = []
+            for k in range(L):
+                vals = [g["acceptance_per_position"][k] for g in gs
+                        if len(g["acceptance_per_position"]) > k and g["acceptance_per_position"][k] is not None]
+                ys.append(statistics.mean(vals) if vals else float("nan"))
+            ax.plot(range(1, L + 1), ys, marker="o", label=f"{m} ({s})")
+            drew = True
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(position k accepted | drafted)")
+    ax.set_ylim(-0.03, 1.05)
+    ax.set_title("per-position acceptance (mean over workloads)")
+    if drew:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance.png", dpi=100)
+    plt.close(fig)
+    files.append("acceptance.png")
+    # 3. cycle-time split per output token (mean over workloads, first setting)
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(summary["modes"])), 4))
+    parts = ["draft", "final_stage", "verify", "overhead", "cycle_unsplit"]
+    colors = dict(zip(parts, ["#4c72b0", "#dd8452", "#55a868", "#8c8c8c", "#c44e52"]))
+    s0 = settings[0]
+    for i, m in enumerate(summary["modes"]):
+        gs = [g for g in res if g["setting"] == s0 and g["mode"] == m and g.get("cycle_split_s") and g.get("tau_pooled")]
+        if not gs:
+            continue
+        bottom = 0.0
+        for p in parts:
+            vals = [1000 * g["cycle_split_s"][p] / g["tau_pooled"] for g in gs if p in g["cycle_split_s"]]
+            if not vals:
+                continue
+            v = statistics.mean(vals)
+            ax.bar(i, v, bottom=bottom, color=colors[p], label=p)
+            bottom += v
+    ax.set_xticks(range(len(summary["modes"])), summary["modes"])
+    ax.set_ylabel("ms per output token (cycle time / tau)")
+    ax.set_title(f"cycle-time split ({s0}, mean over workloads)")
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax.legend(uniq.values(), uniq.keys(), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "cycle_split.png", dpi=100)
+    plt.close(fig)
+    files.append("cycle_split.png")
+    return files
+
+
+def write_report(summary: dict, out_dir: str | Path, plots: bool = True) -> None:
+    """Write ``summary.json``, the PNG plots and ``report.md`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = make_plots(summary, out) if plots else []
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(render_markdown(summary, files), encoding="utf-8")
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    """Rows of a ``results.jsonl`` file (or of the one inside a directory)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.jsonl"
+    return [json.loads(l) for l in p.read_text(encoding="utf-8").splitlines() if l.strip()]

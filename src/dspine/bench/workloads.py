@@ -1,0 +1,344 @@
+"""Named, versioned benchmark workloads (spec section 10), built from packaged eval sets.
+
+The selected ids live in ``workloads.json`` next to this file (committed; regenerate
+with :func:`generate_workloads_file`, which applies the deterministic rules below).
+Every source here is eval-only or held out (:mod:`dspine.data.sources`): never train
+on them.
+
+Workloads (``name``: source, default output budget):
+
+* ``short``: MT-Bench first turns, 2 per category (16), 128 new tokens, chat template.
+* ``long``: other MT-Bench first turns of the open-ended categories (writing, roleplay,
+  stem, humanities; 8), 1024 new tokens.
+* ``code``: HumanEval problems (every 4th task: 41), raw completion, 384 new tokens,
+  Codex stop strings; completions are executed against the tests (pass@1).
+* ``multifile``: 3 held-out stdlib modules per prompt, each cut to an equal share of
+  the context budget (at line ends), plus a question about a name defined in one of
+  them (8 groups), 256 new tokens; the answer is checked for the right file name.
+* ``tools``: BFCL first turns with their function schemas in a system message
+  (4 per category: 16), 256 new tokens; the output must parse as a call (or a list of
+  calls) to an offered function with schema-valid arguments.
+
+Prompts are tokenized with the target at run time (:func:`build_prompts`), so every
+mode of a run gets the same token ids.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+WORKLOADS_PATH = Path(__file__).with_name("workloads.json")
+SET_FORMAT = "dspine-bench-workloads/1"
+WORKLOAD_NAMES = ("short", "long", "code", "multifile", "tools")
+# Codex / HumanEval stop sequences (a new top-level statement ends the completion).
+HUMANEVAL_STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
+WARMUP_PROMPT = "Say hello in five words."
+TOOLS_SYSTEM = (
+    "You are an assistant that answers by calling functions. Available functions "
+    "(JSON schema):\n{functions}\n\nRespond with only the function call as JSON, no other "
+    "text: {{\"name\": \"<function name>\", \"arguments\": {{\"<argument>\": <value>}}}}, "
+    "or a JSON list of such objects when several calls are needed.")
+MULTIFILE_HEAD = "Here are {k} Python source files (each may be truncated).\n\n"
+MULTIFILE_FILE = "### File: {name}\n```python\n{text}\n```\n\n"
+MULTIFILE_QUESTION = ("Question: in which of these files is `{symbol}` defined, and what does it "
+                      "do? Start your answer with the file name.")
+MULTIFILE_SUMMARY = "Question: summarize in a few sentences what each of these files does."
+
+
+class WorkloadError(ValueError):
+    """Unknown workload name or an unusable workload file."""
+
+
+@dataclass
+class BenchPrompt:
+    """One tokenized benchmark request.
+
+    ``meta`` carries what the workload's check needs (HumanEval test, BFCL functions,
+    the expected file of a multifile question).
+    """
+
+    workload: str
+    id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+# -- selection rules (used to write workloads.json) --------------------------------------
+def _select_short_long() -> tuple[list[str], list[str]]:
+    from ..data.sources import load_mtbench
+
+    by_cat: dict[str, list[int]] = {}
+    for r in load_mtbench():
+        by_cat.setdefault(r["category"], []).append(int(r["question_id"]))
+    short, long = [], []
+    for cat in sorted(by_cat):
+        ids = sorted(by_cat[cat])
+        short += [f"mtbench/{i}" for i in ids[:2]]
+        if cat in ("writing", "roleplay", "stem", "humanities"):
+            long += [f"mtbench/{i}" for i in ids[2:4]]
+    return short, long
+
+
+def _select_code() -> list[str]:
+    from ..data.sources import load_humaneval
+
+    return [r["task_id"] for r in load_humaneval()][::4]
+
+
+def _multifile_candidates() -> list[str]:
+    from ..data.sources import _module_path, load_splits
+
+    out = []
+    for m in sorted(load_splits()["stdlib_heldout_modules"]):
+        if m.startswith("_") or any(p.startswith("_") for p in m.split(".")):
+            continue
+        try:
+            src = _module_path(m).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if 3000 <= len(src) and len(_top_level_names(src)) >= 3:
+            out.append(m)
+    return out
+
+
+def _select_multifile(groups: int = 8, k: int = 3) -> list[dict]:
+    mods = _multifile_candidates()
+    rng = random.Random("dspine-bench-multifile/1")
+    out = []
+    for g in range(groups):
+        pick = rng.sample(mods, k)
+        out.append({"id": f"multifile/{g:02d}", "modules": pick, "answer": pick[g % k]})
+    return out
+
+
+def _select_tools(per_category: int = 4) -> list[str]:
+    from ..data.sources import BFCL_DEFAULT, load_bfcl
+
+    out = []
+    for cat in BFCL_DEFAULT:
+        rows = [r["id"] for r in load_bfcl([cat])]
+        step = max(1, len(rows) // per_category)
+        out += rows[::step][:per_category]
+    return out
+
+
+def workload_set() -> dict:
+    """The workload set the rules produce (what ``workloads.json`` holds)."""
+    short, long = _select_short_long()
+    return {
+        "format": SET_FORMAT,
+        "note": "Eval-only prompt sets: never train on them (dspine.data.sources).",
+        "warmup": {"prompt": WARMUP_PROMPT, "max_new_tokens": 8},
+        "workloads": {
+            "short": {"version": 1, "source": "mtbench", "template": "chat", "max_new_tokens": 128,
+                      "ids": short},
+            "long": {"version": 1, "source": "mtbench", "template": "chat", "max_new_tokens": 1024,
+                     "ids": long},
+            "code": {"version": 1, "source": "humaneval", "template": "raw", "max_new_tokens": 384,
+                     "stop": HUMANEVAL_STOP, "ids": _select_code()},
+            "multifile": {"version": 1, "source": "stdlib-heldout", "template": "chat",
+                          "max_new_tokens": 256, "files_per_prompt": 3, "ids": _select_multifile()},
+            "tools": {"version": 1, "source": "bfcl", "template": "chat", "max_new_tokens": 256,
+                      "ids": _select_tools()},
+        },
+    }
+
+
+def generate_workloads_file(path: Path = WORKLOADS_PATH) -> dict:
+    """Rewrite ``workloads.json`` from the rules (maintainers; the file is committed)."""
+    data = workload_set()
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    load_workloads.cache_clear()
+    return data
+
+
+@lru_cache(maxsize=1)
+def load_workloads() -> dict:
+    """The committed workload set (rules applied in memory when the file is missing)."""
+    if WORKLOADS_PATH.exists():
+        data = json.loads(WORKLOADS_PATH.read_text(encoding="utf-8"))
+        if data.get("format") != SET_FORMAT:
+            raise WorkloadError(f"{WORKLOADS_PATH}: format {data.get('format')!r}, expected {SET_FORMAT}")
+        return data
+    return workload_set()
+
+
+def workload_version(name: str) -> str:
+    """``"<name>/v<version>"`` of a workload (recorded in every result row)."""
+    return f"{name}/v{load_workloads()['workloads'][name]['version']}"
+
+
+def parse_workloads(spec: str | list[str]) -> list[str]:
+    """Validate a comma list of workload names (``all`` = every workload)."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [n.strip() for n in names if n.strip()]
+    if names == ["all"]:
+        return list(WORKLOAD_NAMES)
+    bad = [n for n in names if n not in WORKLOAD_NAMES]
+    if bad or not names:
+        raise WorkloadError(f"--workloads {','.join(bad) or '(empty)'}: unknown; accepted: "
+                            f"{', '.join(WORKLOAD_NAMES)} or all")
+    return names
+
+
+# -- prompt construction ------------------------------------------------------------------
+_DEF_RE = re.compile(r"^(?:async\s+)?(?:def|class)\s+([A-Za-z]\w*)", re.M)
+
+
+def _top_level_names(src: str) -> list[str]:
+    return [m.group(1) for m in _DEF_RE.finditer(src)]
+
+
+def _strip_module_docstring(src: str) -> str:
+    """Source without its module docstring (more code fits the context budget)."""
+    import ast
+
+    try:
+        body = ast.parse(src).body
+    except (SyntaxError, ValueError):
+        return src
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        lines = src.splitlines(keepends=True)
+        return "".join(lines[:body[0].lineno - 1] + lines[body[0].end_lineno:]).lstrip("\n")
+    return src
+
+
+def _encode_chat(target, messages: list[dict]) -> list[int]:
+    from ..data.build import encode_record
+
+    return encode_record(target, {"kind": "chat", "messages": messages})
+
+
+def _tool_messages(row: dict) -> list[dict]:
+    system = TOOLS_SYSTEM.format(functions=json.dumps(row["functions"], ensure_ascii=False))
+    msgs = [dict(m) for m in row["messages"]]
+    extra = [m["content"] for m in msgs if m.get("role") == "system" and m.get("content")]
+    msgs = [m for m in msgs if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join([system] + extra)}] + msgs
+
+
+def _truncate_lines(target, text: str, max_tokens: int) -> str:
+    """The longest line-aligned head of ``text`` within ``max_tokens`` tokens."""
+    tok = target.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text
+    head = tok.decode(ids[:max(max_tokens, 0)], skip_special_tokens=True)
+    nl = head.rfind("\n")
+    return head[:nl + 1] if nl >= 0 else ""
+
+
+def _multifile_prompt(target, entry: dict, budget: int) -> tuple[list[int], dict] | None:
+    from ..data.sources import _module_path
+
+    files = []
+    for m in entry["modules"]:
+        try:
+            files.append((m, _strip_module_docstring(_module_path(m).read_text(encoding="utf-8"))))
+        except (OSError, UnicodeDecodeError):
+            continue
+    if not files:
+        return None
+    k = len(files)
+
+    def render(texts: list[str]) -> tuple[str, str | None, str | None]:
+        body = MULTIFILE_HEAD.format(k=k) + "".join(
+            MULTIFILE_FILE.format(name=f"{m.replace('.', '/')}.py", text=t.rstrip("\n"))
+            for (m, _), t in zip(files, texts))
+        # the question names a public top-level symbol of the answer file's kept text
+        order = [entry["answer"]] + [m for m, _ in files if m != entry["answer"]]
+        for m in order:
+            if m not in dict(files):
+                continue
+            t = texts[[x for x, _ in files].index(m)]
+            names = [n for n in _top_level_names(t) if not n.startswith("_")]
+            if names:
+                return body + MULTIFILE_QUESTION.format(symbol=names[-1]), m, names[-1]
+        return body + MULTIFILE_SUMMARY, None, None
+
+    overhead = len(_encode_chat(target, [{"role": "user", "content": render([""] * k)[0]}]))
+    share = max(0, (budget - overhead) // k)
+    for _ in range(20):  # shrink until the whole prompt fits (token merges at the seams)
+        texts = [_truncate_lines(target, src, share) for _, src in files]
+        text, answer, symbol = render(texts)
+        ids = _encode_chat(target, [{"role": "user", "content": text}])
+        if len(ids) <= budget:
+            return ids, {"modules": [m for m, _ in files], "answer": answer, "symbol": symbol,
+                         "answer_file": f"{answer.replace('.', '/')}.py" if answer else None}
+        share = int(share * 0.9)
+    return None
+
+
+def build_prompts(target, names: list[str], limit: int | None = None, context_tokens: int = 2048,
+                  max_new_tokens: int | None = None) -> tuple[list[BenchPrompt], list[dict]]:
+    """Tokenized prompts of the workloads ``names`` for ``target``.
+
+    Args:
+        limit: at most this many prompts per workload (the first ones of the set).
+        context_tokens: prompt + output budget per request; multifile prompts are built
+            to fit, other prompts that do not fit are skipped (and reported).
+        max_new_tokens: overrides every workload's output budget (smoke runs).
+    Returns:
+        (prompts, skipped) where ``skipped`` lists ``{"workload", "id", "reason"}``.
+    """
+    from ..data.sources import load_bfcl, load_humaneval, load_mtbench
+
+    ws = load_workloads()["workloads"]
+    prompts: list[BenchPrompt] = []
+    skipped: list[dict] = []
+    for name in parse_workloads(names):
+        w = ws[name]
+        mnt = int(max_new_tokens or w["max_new_tokens"])
+        budget = context_tokens - mnt
+        ids_wanted = w["ids"][:limit] if limit is not None else w["ids"]
+        made: list[BenchPrompt] = []
+        if name in ("short", "long"):
+            rows = {f"mtbench/{r['question_id']}": r for r in load_mtbench()}
+            for rid in ids_wanted:
+                r = rows[rid]
+                ids = _encode_chat(target, [{"role": "user", "content": r["turns"][0]}])
+                made.append(BenchPrompt(name, rid, ids, mnt, [], {"category": r["category"]}))
+        elif name == "code":
+            rows = {r["task_id"]: r for r in load_humaneval()}
+            for rid in ids_wanted:
+                r = rows[rid]
+                ids = target.encode_prompt(r["prompt"], chat=False)
+                made.append(BenchPrompt(name, rid, ids, mnt, list(w.get("stop", HUMANEVAL_STOP)),
+                                        {"prompt": r["prompt"], "test": r["test"],
+                                         "entry_point": r["entry_point"]}))
+        elif name == "multifile":
+            for entry in ids_wanted:
+                built = _multifile_prompt(target, entry, budget)
+                if built is None:
+                    skipped.append({"workload": name, "id": entry["id"], "reason": "modules unavailable"})
+                    continue
+                made.append(BenchPrompt(name, entry["id"], built[0], mnt, [], built[1]))
+        elif name == "tools":
+            rows = {r["id"]: r for r in load_bfcl()}
+            for rid in ids_wanted:
+                r = rows[rid]
+                ids = _encode_chat(target, _tool_messages(r))
+                made.append(BenchPrompt(name, rid, ids, mnt, [],
+                                        {"functions": r["functions"], "category": r["category"]}))
+        for p in made:
+            if len(p.prompt_ids) > budget:
+                skipped.append({"workload": name, "id": p.id,
+                                "reason": f"prompt {len(p.prompt_ids)} tokens > budget {budget} "
+                                          f"(--context-tokens {context_tokens} - {mnt} new)"})
+            else:
+                prompts.append(p)
+    return prompts, skipped
+
+
+def warmup_prompt(target, max_new_tokens: int | None = None) -> BenchPrompt:
+    """The short prompt every mode is warmed on before recording."""
+    w = load_workloads()["warmup"]
+    ids = _encode_chat(target, [{"role": "user", "content": w["prompt"]}])
+    return BenchPrompt("warmup", "warmup", ids, int(max_new_tokens or w["max_new_tokens"]))

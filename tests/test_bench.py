@@ -1,0 +1,294 @@
+"""Tests of dspine.bench: workloads, fairness checks, output checks, harness and CLI."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import time
+
+import pytest
+import torch
+
+from dspine.bench import harness as H
+from dspine.bench import report as R
+from dspine.bench import workloads as W
+from dspine.bench.checks import check_multifile, check_tool_call, parse_tool_calls, run_humaneval
+from dspine.bench.runners import EngineRunner, HFRunner
+from dspine.cli import main
+from dspine.config import SamplingConfig
+
+
+@pytest.fixture
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    """random:llama with the byte vocabulary (a private copy: tests here swap runners)."""
+    from dspine.target import load_target
+
+    return load_target("random:llama", vocab_size=256, seed=1)
+
+
+def tiny_config(**over) -> H.BenchConfig:
+    base = dict(target="random:llama", modes=("ar", "dspine", "dflash", "hf", "hf-pld"),
+                drafters={"dspine": "random", "dflash": "random"}, block_size=4, limit=1,
+                max_new_tokens=6, context_tokens=1536, settings=(H.GREEDY, H.SAMPLED), repeats=1,
+                warmup=1, warmup_tokens=3, threads=1, code_timeout_s=5.0)
+    base.update(over)
+    return H.BenchConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    prev = torch.get_num_threads()
+    out = tmp_path_factory.mktemp("bench")
+    try:
+        summary = H.run_bench(tiny_config(), out, progress=False)
+    finally:
+        torch.set_num_threads(prev)
+    return out, summary, R.load_rows(out)
+
+
+# -- workloads -----------------------------------------------------------------------------
+def test_workloads_file_matches_rules():
+    W.load_workloads.cache_clear()
+    assert W.load_workloads() == json.loads(json.dumps(W.workload_set()))
+
+
+def test_workloads_are_eval_only_and_versioned():
+    from dspine.data.sources import is_heldout_module
+
+    ws = W.load_workloads()["workloads"]
+    assert set(ws) == set(W.WORKLOAD_NAMES)
+    assert all(isinstance(w["version"], int) for w in ws.values())
+    assert all(i.startswith("mtbench/") for i in ws["short"]["ids"] + ws["long"]["ids"])
+    assert not set(ws["short"]["ids"]) & set(ws["long"]["ids"])
+    assert all(i.startswith("HumanEval/") for i in ws["code"]["ids"])
+    assert all(is_heldout_module(m) for e in ws["multifile"]["ids"] for m in e["modules"])
+    assert W.workload_version("code") == "code/v1"
+    with pytest.raises(W.WorkloadError, match="--workloads"):
+        W.parse_workloads("short,nope")
+
+
+def test_build_prompts_fit_context_and_carry_check_data(tiny_target):
+    prompts, skipped = W.build_prompts(tiny_target, list(W.WORKLOAD_NAMES), limit=1, context_tokens=2500,
+                                       max_new_tokens=8)
+    by = {p.workload: p for p in prompts}
+    assert set(by) | {s["workload"] for s in skipped} == set(W.WORKLOAD_NAMES)
+    assert all(len(p.prompt_ids) + p.max_new_tokens <= 2500 for p in prompts)
+    mf = by["multifile"]
+    assert mf.meta["answer_file"] and mf.meta["symbol"]
+    assert by["code"].stop == W.HUMANEVAL_STOP and "entry_point" in by["code"].meta
+
+
+# -- checks ---------------------------------------------------------------------------------
+FUNCS = [{"name": "area", "parameters": {"type": "dict", "required": ["base", "height"], "properties": {
+    "base": {"type": "integer"}, "height": {"type": "float"},
+    "unit": {"type": "string", "enum": ["cm", "m"]}, "tags": {"type": "array", "items": {"type": "string"}}}}},
+    {"name": "math.sum", "parameters": {"type": "dict", "properties": {"xs": {"type": "array"}}, "required": ["xs"]}}]
+
+
+@pytest.mark.parametrize("text,result", [
+    ('{"name": "area", "arguments": {"base": 3, "height": 2.5}}', "valid"),
+    ('Sure! ```json\n{"name": "area", "arguments": {"base": 3, "height": 2, "unit": "m"}}\n```', "valid"),
+    ('<tool_call>{"name": "math.sum", "arguments": {"xs": [1, 2]}}</tool_call>', "valid"),
+    ('[area(base=1, height=2.0), math.sum(xs=[1])]', "valid"),
+    ('[{"name": "area", "arguments": {"base": 1, "height": 1}}, {"name": "math.sum", "arguments": {"xs": []}}]', "valid"),
+    ('{"name": "volume", "arguments": {}}', "unknown_function"),
+    ('{"name": "area", "arguments": {"base": 3}}', "invalid_arguments"),
+    ('{"name": "area", "arguments": {"base": "3", "height": 1}}', "invalid_arguments"),
+    ('{"name": "area", "arguments": {"base": true, "height": 1}}', "invalid_arguments"),
+    ('{"name": "area", "arguments": {"base": 3, "height": 1, "unit": "km"}}', "invalid_arguments"),
+    ('{"name": "area", "arguments": {"base": 3, "height": 1, "color": "red"}}', "invalid_arguments"),
+    ('{"name": "area", "arguments": {"base": 3, "height": 1, "tags": [1]}}', "invalid_arguments"),
+    ("The area is base times height over two.", "parse_error"),
+])
+def test_tool_call_check(text, result):
+    assert check_tool_call(text, FUNCS)["result"] == result
+
+
+def test_parse_tool_calls_string_arguments():
+    assert parse_tool_calls('{"name": "area", "arguments": "{\\"base\\": 1}"}') == [
+        {"name": "area", "arguments": {"base": 1}}]
+
+
+def test_humaneval_sandbox_pass_fail_timeout():
+    prompt = "def add(a, b):\n    \"\"\"Add.\"\"\"\n"
+    test = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+    assert run_humaneval(prompt, "    return a + b\n\ndef junk():\n    pass\n", test, "add")["result"] == "passed"
+    bad = run_humaneval(prompt, "    return a - b\n", test, "add")
+    assert bad["result"] == "failed" and "AssertionError" in bad["error"]
+    assert run_humaneval(prompt, "    while True:\n        pass\n", test, "add", timeout_s=2)["result"] == "timeout"
+
+
+def test_multifile_check():
+    meta = {"answer": "email.errors", "answer_file": "email/errors.py"}
+    assert check_multifile("It is in email/errors.py: ...", meta)["result"] == "correct"
+    assert check_multifile("It is in typing.py", meta)["result"] == "wrong"
+    assert check_multifile("anything", {"answer": None})["result"] == "unchecked"
+
+
+# -- fairness -------------------------------------------------------------------------------
+def test_check_fair_names_the_difference():
+    same = {"target": "t", "dtype": "float32"}
+    H.check_fair({"ar": same, "dspine": dict(same)})
+    with pytest.raises(H.UnfairComparisonError, match=r"dtype \(ar: 'float32', hf: 'bfloat16'\)"):
+        H.check_fair({"ar": same, "hf": {"target": "t", "dtype": "bfloat16"}})
+
+
+def test_harness_refuses_unfair_runners(tiny_target, one_thread):
+    from dspine.target import load_target
+
+    h = H.Harness(tiny_config(modes=("ar", "hf")), target=tiny_target)
+    h.check_setup()
+    # another dtype (a separately loaded bf16 copy of the target) for one mode
+    h.runners["hf"] = HFRunner(load_target("random:llama", dtype="bfloat16", seed=1), "hf")
+    with pytest.raises(H.UnfairComparisonError, match="dtype"):
+        h.check_setup()
+    # another target checkpoint
+    h.runners["hf"] = HFRunner(load_target("random:llama", seed=2), "hf")
+    with pytest.raises(H.UnfairComparisonError, match="weights"):
+        h.check_setup()
+
+    # a runner that would decode with other settings than the shared ones
+    class HotHF(HFRunner):
+        def generation_config(self, sampling, max_new_tokens, timeout_s=None):
+            return super().generation_config(SamplingConfig(temperature=1.3), max_new_tokens, timeout_s)
+
+    h.runners["hf"] = HotHF(tiny_target, "hf")
+    with pytest.raises(H.UnfairComparisonError, match="decoding setting 'greedy'.*sampling"):
+        h.check_setup()
+
+
+def test_check_rows_fair_refuses_mixed_rows(tiny_run):
+    _, _, rows = tiny_run
+    H.check_rows_fair(rows)
+    bad = copy.deepcopy(rows)
+    r = next(r for r in bad if r["mode"] == "dspine" and not r["warmup"])
+    r["decoding"]["sampling"]["temperature"] = 0.9
+    with pytest.raises(H.UnfairComparisonError, match="decoding"):
+        H.check_rows_fair(bad)
+    bad = copy.deepcopy(rows)
+    for r in bad:
+        if r["mode"] == "hf":
+            r["setup"]["dtype"] = "bfloat16"
+    with pytest.raises(H.UnfairComparisonError, match="dtype"):
+        R.summarize(bad)
+
+
+def test_concurrency_refused_without_batched_engine(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "dspine.batch" else real(name, *a))
+    with pytest.raises(H.BenchError, match="--concurrency 4: this build has no batched engine"):
+        H.require_batched_engine(4)
+    H.require_batched_engine(1)
+    assert main(["bench", "--concurrency", "1,4", "--target", "random:llama", "--drafter", "random"]) == 2
+
+
+def test_cli_rejects_bad_settings(capsys):
+    assert main(["bench", "--modes", "ar,turbo", "--target", "random:llama"]) == 2
+    assert "--modes turbo" in capsys.readouterr().err
+    assert main(["bench", "--target", "random:llama", "--modes", "ar", "--settings", "beam"]) == 2
+
+
+def test_full_run_needs_drafters(monkeypatch):
+    import dspine.cli
+
+    monkeypatch.setattr(dspine.cli, "default_drafter_path", lambda t, m: None)
+    with pytest.raises(H.BenchError, match="--drafter-dspine PATH"):
+        H.resolve_drafters(H.BenchConfig(modes=("ar", "dspine")))
+    assert H.resolve_drafters(H.smoke_config())["dspine"] == "random"
+
+
+# -- the harness end to end (random:llama) ----------------------------------------------------
+def test_harness_outputs(tiny_run):
+    out, summary, rows = tiny_run
+    for f in ("results.jsonl", "summary.json", "report.md", "speedup.png", "acceptance.png", "cycle_split.png"):
+        assert (out / f).stat().st_size > 0, f
+    rec = [r for r in rows if not r["warmup"]]
+    assert len(rec) == 5 * 5 * 2  # workloads x modes x settings (1 prompt, 1 repeat)
+    assert sum(r["warmup"] for r in rows) == 5 * 2
+    env = rec[0]["env"]
+    for k in ("torch", "transformers", "python", "torch_threads", "dtype", "device", "git_commit"):
+        assert k in env
+    for r in rec:
+        assert r["output_tokens"] >= 1 and r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"]
+        assert r["peak_memory_bytes"] > 0 and not r["failed"]
+        assert r["mode_info"]["block_size"] == {"ar": 1, "hf": 1, "hf-pld": 11}.get(r["mode"], 4)
+    # greedy is lossless: every mode emits ar's tokens
+    greedy = {}
+    for r in rec:
+        if r["setting"] == "greedy":
+            greedy.setdefault(r["prompt_id"], {})[r["mode"]] = r["output_ids"]
+    for pid, outs in greedy.items():
+        assert all(o == outs["ar"] for o in outs.values()), pid
+    code = [r for r in rec if r["workload"] == "code"]
+    assert all(r["check"] in ("passed", "failed", "timeout") for r in code)
+    assert all(r["check"] in ("valid", "parse_error", "unknown_function", "invalid_arguments")
+               for r in rec if r["workload"] == "tools")
+    spec = [r for r in rec if r["mode"] in ("dspine", "dflash")]
+    assert all(r["draft_s"] > 0 and r["verify_s"] > 0 and r["verification_lengths"] for r in spec)
+    assert all(r["mode"] != "dspine" or r["final_stage_s"] > 0 for r in spec)
+
+
+def test_summary_and_report(tiny_run):
+    out, summary, _ = tiny_run
+    res = summary["results"]
+    assert {(g["workload"], g["mode"]) for g in res} == {(w, m) for w in W.WORKLOAD_NAMES for m in tiny_config().modes}
+    for g in res:
+        cm = g["cost_model"]
+        assert cm["measured_s_per_token"] and cm["model_s_per_token"] and "flag" in cm
+        assert (g["speedup"] is None) == (g["mode"] == "ar")
+        if g["mode"] in ("dspine", "dflash"):
+            assert set(g["cycle_split_s"]) == {"draft", "final_stage", "verify", "overhead"}
+            assert g["tau_pooled"] >= 1 and g["acceptance_per_position"]
+    assert any("pass_at_1" in g for g in res) and any("valid_call_rate" in g for g in res)
+    md = (out / "report.md").read_text()
+    for w in W.WORKLOAD_NAMES:
+        assert f"## {w} ({w}/v1), greedy, concurrency 1" in md
+    assert "## Cost model" in md and "Untrained (random) drafters" in md
+    assert json.loads((out / "summary.json").read_text())["results"]
+
+
+def test_cost_model_flags_a_mismatch(tiny_run):
+    _, _, rows = tiny_run
+    bad = copy.deepcopy(rows)
+    for r in bad:
+        if r["mode"] == "dspine" and not r["warmup"]:
+            r["decode_s"] *= 1.5  # time the cycle components do not explain
+    s = R.summarize(bad)
+    ds = [g for g in s["results"] if g["mode"] == "dspine"]
+    assert ds and all(g["cost_model"]["flag"] and g["cost_model"]["error"] < -0.25 for g in ds)
+    assert any(n.startswith("Cost model off") and "for dspine" in n for n in s["notes"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dspine.batch") is None, reason="no batched engine")
+def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
+    cfg = tiny_config(modes=("ar", "dspine", "hf"), workloads=("short",), limit=2, settings=(H.GREEDY,),
+                      concurrency=(1, 2), warmup=1)
+    s = H.run_bench(cfg, tmp_path, progress=False, plots=False, target=tiny_target)
+    rows = R.load_rows(tmp_path)
+    c2 = [r for r in rows if r["concurrency"] == 2]
+    assert {r["mode"] for r in c2} == {"ar", "dspine"} and len(c2) == 4
+    g = next(g for g in s["results"] if g["concurrency"] == 2 and g["mode"] == "dspine")
+    assert g["throughput_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_smoke_cli(tmp_path):
+    """``dspine bench --smoke`` on the real default target (minutes on a loaded 2-core box)."""
+    t0 = time.perf_counter()
+    assert main(["bench", "--smoke", "--out", str(tmp_path), "--no-progress"]) == 0
+    wall = time.perf_counter() - t0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["modes"] == ["ar", "dspine", "dflash", "hf-pld"] and s["requests"] == 20
+    assert all(g["failures"] == 0 for g in s["results"])
+    assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
+    assert wall < 300, f"smoke took {wall:.0f}s"
