@@ -21,25 +21,35 @@ def default_drafter_path(target: str, mode: str) -> Path | None:
 
 
 def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = "float32",
-                 block_size: int | None = None, seed: int = 0, device: str = "cpu"):
+                 block_size: int | None = None, seed: int = 0, device: str = "cpu",
+                 verify_policy: str = "fixed", concurrency: int = 1):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
-    the shipped default of the target and mode.
+    the shipped default of the target and mode. ``verify_policy``: ``fixed`` or
+    ``cost`` (:mod:`dspine.policy`). Settings the runtime has not validated are refused
+    before anything is loaded, and again against the loaded target/drafter
+    (:func:`dspine.guards.validate_runtime`).
     Raises:
-        ValueError subclasses naming the setting (target, drafter, block size, mode).
+        ValueError subclasses naming the setting (target, drafter, block size, mode,
+        and the guards' :class:`~dspine.guards.GuardError`).
     """
     import torch
 
     from .draft import DrafterProposer, load_drafter, random_drafter
     from .engine import MODES, Engine, EngineError
+    from .guards import validate_runtime
+    from .policy import make_policy
     from .target import load_target, parse_dtype
 
     if mode not in MODES:
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
     dt = parse_dtype(dtype)
+    guard = dict(dtype=dt, device=device, concurrency=concurrency, verify_policy=verify_policy)
+    validate_runtime(None, None, **guard)  # settings alone, before loading anything
     target = load_target(target_name, dtype=dt, device=device)
     if mode == "ar":
+        validate_runtime(target, None, **guard)
         return target, Engine(target, None, "ar")
     if drafter is None:
         path = default_drafter_path(target_name, mode)
@@ -55,15 +65,18 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         if model.cfg.bridge != want_bridge:
             raise EngineError(f"--mode {mode} does not match drafter {drafter} "
                               f"(trained as {model.cfg.mode})")
+    validate_runtime(target, model.cfg, block_size=block_size, **guard)
     with torch.no_grad():
-        return target, Engine(target, DrafterProposer(model), mode)
+        proposer = DrafterProposer(model)
+        policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, proposer)
+        return target, Engine(target, proposer, mode, verify_policy=policy)
 
 
 def cmd_generate(args) -> int:
     from .config import SamplingConfig
 
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
-                                  args.seed, args.device)
+                                  args.seed, args.device, verify_policy=args.verify_policy)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
@@ -98,6 +111,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--verify-policy", default="fixed",
+                   help="fixed (verify the whole block) | cost (choose n per cycle by measured cost "
+                        "and past acceptance; non-anticipating)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     p.set_defaults(func=cmd_generate)
 

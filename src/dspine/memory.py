@@ -1,0 +1,430 @@
+"""Resident memory footprint of a drafter (+ target), spec sections 2, 4 and 7.
+
+:func:`estimate` computes the bytes each resident part needs from configurations
+alone (nothing is allocated, so the release profile's 27B-target drafter can be
+sized on any machine); ``dspine memory`` prints it.
+
+Parts (bytes; ``s`` = bytes per element of ``dtype``, V vocabulary, d hidden,
+d_c code width, d_m message width, L_d drafter layers):
+
+- drafter weights without the codebook (fusion, layers, bridge, norms, embeddings),
+- token codebook ``E`` [V, d_c],
+- greedy lookup tables [V, d_m] + [V, 2 d_m] (spec s.4: the head folded through
+  ``W_L``, and ``G_p E``, ``V_p E``). The release keeps them; the dspine runtime
+  does not (its greedy chain scores the exact conditional tables), so they count in
+  the release layout only,
+- quantized coarse head copy [V, d] at 1 byte (int8 / FP8) + per-row float32 scales,
+- draft context K/V: ``2 L_d n_kv d_head s`` per position, for a full window, and
+  for the retained context of each request in two layouts: *dense pool (release)*,
+  which keeps every position, and *bounded ring buffer (dspine)*
+  (:class:`dspine.draft.DraftContextCache`), which holds at most ``window``,
+- with a target: its weights (parameter count from its config, instantiated on the
+  ``meta`` device), its KV per position and for the context, and the recurrent and
+  convolution state of linear-attention layers (recurrent state in float32, spec s.6).
+
+The target's output head and input embedding are shared with the drafter and are
+counted once, in the target weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, DSpineConfig
+
+KiB = 1024
+MiB = 1024 ** 2
+GiB = 1024 ** 3
+RELEASE_CONTEXT = 131072  # retained positions in the spec's reference figure (s.7)
+RING_MIN_CAPACITY = 64  # DraftContextCache allocates at least this many slots (below window)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Binary units with up to two decimals: 20480 -> '20 KiB', 2684354560 -> '2.5 GiB'."""
+    n = float(n)
+    for unit, size in (("TiB", 1024 ** 4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            v = f"{n / size:.2f}".rstrip("0").rstrip(".")
+            return f"{v} {unit}"
+    return f"{int(n)} B"
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    """Bytes per element of ``float32|bfloat16|float16`` (or a torch dtype)."""
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; accepted: {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[dtype]
+
+
+# -- drafter -------------------------------------------------------------------------------
+def drafter_param_counts(cfg: DSpineConfig) -> dict[str, int]:
+    """Parameter counts of :class:`dspine.model.DSpineDrafter` by part (no allocation).
+
+    Keys: ``fusion`` (W_fc + norm_ctx), ``layers`` (attention, MLP and norms of all
+    layers), ``bridge`` (R_l, W_l, G_r, G_p, V_p, alpha), ``embeddings`` (mask and row
+    embeddings, norm_f), ``codebook`` (E). The target's head/embedding are not included.
+    """
+    d, L, F = cfg.target_hidden, cfg.num_layers, len(cfg.feature_layers)
+    h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = (2 * d  # attn_norm, mlp_norm
+             + d * h * hd + 2 * d * kv * hd + h * hd * d  # q, k, v, o
+             + 3 * d * cfg.ffn)  # gate, up, down
+    out = {
+        "fusion": F * d * d + d,
+        "layers": L * layer,
+        "bridge": 0,
+        "embeddings": d + (cfg.block_size * d if cfg.row_embedding else 0) + d,  # mask, rows, norm_f
+        "codebook": 0,
+    }
+    if cfg.bridge:
+        dc, dm = cfg.code_dim, cfg.msg_dim
+        out["bridge"] = L * d * dc + L * dm * d + 3 * dc * dm + 1
+        out["codebook"] = cfg.vocab_size * dc
+    return out
+
+
+def draft_kv_bytes_per_position(cfg: DSpineConfig, elem: int) -> int:
+    """Draft context K/V bytes per retained position: 2 L_d n_kv d_head s (spec s.7)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def ring_buffer_positions(context: int, window: int) -> int:
+    """Slots a :class:`DraftContextCache` holds after a prefill of ``context`` positions.
+
+    ``min(window, max(context, 64))``; while a request grows by decoding, capacity
+    doubles (at most ``min(window, 2 * positions)``) and never exceeds ``window``.
+    """
+    if context <= 0:
+        return 0
+    return min(window, max(context, RING_MIN_CAPACITY))
+
+
+# -- target ----------------------------------------------------------------------------------
+@dataclass
+class TargetSpec:
+    """What the footprint needs to know about a target, from its HF config.
+
+    Element counts (not bytes): ``params`` unique parameters; ``kv_per_position`` K+V
+    elements per position over the full-attention layers; ``sliding`` a list of
+    (window, K+V elements per position) for sliding-window layers; ``state_fp32`` and
+    ``conv_state`` elements per request of linear-attention layers.
+    """
+
+    name: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    params: int
+    kv_per_position: int
+    sliding: list[tuple[int, int]] = field(default_factory=list)
+    state_fp32: int = 0
+    conv_state: int = 0
+    max_positions: int = 1 << 30
+    head_params: int = 0
+
+    def default_feature_layers(self, n: int = 5) -> list[int]:
+        from .target import Target
+
+        return Target.default_feature_layers(self, n)  # uses only num_layers
+
+    def kv_elements(self, context: int) -> int:
+        """K/V elements of one request holding ``context`` positions."""
+        return self.kv_per_position * context + sum(min(w, context) * e for w, e in self.sliding)
+
+    @classmethod
+    def from_hf_config(cls, config, name: str = "", model: torch.nn.Module | None = None) -> "TargetSpec":
+        """Build from a transformers config (text config of multimodal ones).
+
+        ``model``: an already built module to count parameters from; by default the
+        architecture is instantiated on the ``meta`` device (no memory).
+        """
+        cfg = getattr(config, "text_config", None) or config
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())  # shared (tied) tensors once
+        head = model.get_output_embeddings()
+        head_params = head.weight.numel() if head is not None else 0
+        L = cfg.num_hidden_layers
+        heads = cfg.num_attention_heads
+        kvh = getattr(cfg, "num_key_value_heads", None) or heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * L)
+        full = sliding_n = lin = 0
+        for t in types:
+            if t == "linear_attention":
+                lin += 1
+            elif t == "sliding_attention" and getattr(cfg, "sliding_window", None):
+                sliding_n += 1
+            else:
+                full += 1
+        per_layer = 2 * kvh * hd
+        sliding = [(int(cfg.sliding_window), per_layer)] * sliding_n if sliding_n else []
+        state = conv = 0
+        if lin:
+            nv = cfg.linear_num_value_heads
+            nk = cfg.linear_num_key_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            state = lin * nv * dk * dv
+            conv = lin * (2 * nk * dk + nv * dv) * cfg.linear_conv_kernel_dim
+        return cls(name=name or getattr(cfg, "model_type", "target"), hidden_size=cfg.hidden_size,
+                   vocab_size=cfg.vocab_size, num_layers=L, params=params,
+                   kv_per_position=full * per_layer, sliding=sliding, state_fp32=state,
+                   conv_state=conv, max_positions=int(getattr(cfg, "max_position_embeddings", 1 << 30)),
+                   head_params=head_params)
+
+
+def target_spec(target) -> TargetSpec:
+    """A :class:`TargetSpec` for a target name/path, a loaded :class:`dspine.target.Target`,
+    or a spec (returned as is).
+
+    Named and path targets are read from their ``config.json`` (no weights are loaded);
+    ``random:<arch>`` targets are built (they are tiny).
+    """
+    if isinstance(target, TargetSpec):
+        return target
+    if isinstance(target, str):
+        from .target import build_random_model
+        from .targets import resolve_target
+
+        resolved = resolve_target(target)
+        if isinstance(resolved, str):  # random:<arch>
+            model = build_random_model(resolved.split(":", 1)[1])
+            return TargetSpec.from_hf_config(model.config, name=target, model=model)
+        from transformers import AutoConfig
+
+        return TargetSpec.from_hf_config(AutoConfig.from_pretrained(str(resolved)), name=target)
+    # a loaded Target: estimate from its config (an independent check of its tensors)
+    spec = TargetSpec.from_hf_config(target.model.config, name=target.name)
+    spec.vocab_size = target.vocab_size
+    return spec
+
+
+# -- the report --------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One line of the report. ``layout``: ``both``, ``release`` or ``dspine``;
+    ``scope``: ``shared`` (once per process) or ``request`` (once per request)."""
+
+    key: str
+    label: str
+    bytes: int
+    detail: str = ""
+    layout: str = "both"
+    scope: str = "shared"
+    indent: int = 0
+    in_total: bool = True
+
+
+@dataclass
+class MemoryReport:
+    """Rows of the footprint plus the settings it was computed for (see :func:`estimate`)."""
+
+    profile: str
+    dtype: str
+    context: int
+    concurrency: int
+    window: int
+    target: str | None
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> int:
+        for r in self.rows:
+            if r.key == key:
+                return r.bytes
+        raise KeyError(key)
+
+    def total(self, layout: str) -> int:
+        """Resident bytes for ``layout`` (``release`` or ``dspine``) at the report's
+        context and concurrency (per-request rows times concurrency)."""
+        s = 0
+        for r in self.rows:
+            if r.in_total and r.layout in ("both", layout):
+                s += r.bytes * (self.concurrency if r.scope == "request" else 1)
+        return s
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile, "dtype": self.dtype, "context": self.context,
+                "concurrency": self.concurrency, "window": self.window, "target": self.target,
+                "rows": [asdict(r) for r in self.rows],
+                "totals": {"release": self.total("release"), "dspine": self.total("dspine")},
+                "notes": self.notes}
+
+    def render(self) -> str:
+        head = (f"dspine memory: drafter {self.profile}"
+                + (f" for target {self.target}" if self.target else "")
+                + f", {self.dtype}, context {self.context} positions, concurrency {self.concurrency}")
+        lines = [head, ""]
+        w = max(len("  " * r.indent + r.label) for r in self.rows) + 2
+        for r in self.rows:
+            tag = {"release": " [release only]", "dspine": " [dspine only]"}.get(r.layout, "")
+            scope = " per request" if r.scope == "request" else ""
+            lab = ("  " * r.indent + r.label).ljust(w)
+            lines.append(f"{lab}{fmt_bytes(r.bytes):>12}  ({r.bytes:,} B{scope}){tag}"
+                         + (f"  {r.detail}" if r.detail else ""))
+        lines.append("")
+        lines.append(f"{'total, release layout (dense pool, greedy tables)'.ljust(w)}"
+                     f"{fmt_bytes(self.total('release')):>12}  ({self.total('release'):,} B)")
+        lines.append(f"{'total, dspine runtime (ring buffer, no greedy tables)'.ljust(w)}"
+                     f"{fmt_bytes(self.total('dspine')):>12}  ({self.total('dspine'):,} B)")
+        for n in self.notes:
+            lines.append(f"note: {n}")
+        return "\n".join(lines)
+
+
+def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
+             dtype: str = "bfloat16", target_dtype: str | None = None,
+             profile: str = "") -> MemoryReport:
+    """Footprint of drafter ``cfg`` (+ ``target``) in ``dtype``.
+
+    Args:
+        target: None, a name/path, a loaded Target or a :class:`TargetSpec`.
+        context: retained positions per request (default: 131072, capped at the
+            target's context window when a target is given).
+        concurrency: requests held at once (per-request rows are multiplied in totals).
+        dtype: drafter weights/activations/K-V dtype; ``target_dtype`` defaults to it.
+    Raises:
+        ValueError: unknown dtype, context or concurrency < 1.
+    """
+    s = dtype_bytes(dtype)
+    ts = dtype_bytes(target_dtype or dtype)
+    spec = target_spec(target) if target is not None else None
+    if context is None:
+        context = min(RELEASE_CONTEXT, spec.max_positions) if spec else RELEASE_CONTEXT
+    if context < 1:
+        raise ValueError(f"--context must be >= 1, got {context}")
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    V, d, dc, dm = cfg.vocab_size, cfg.target_hidden, cfg.code_dim, cfg.msg_dim
+    pc = drafter_param_counts(cfg)
+    no_cb = sum(v for k, v in pc.items() if k != "codebook")
+    rows = [Row("drafter_weights", "drafter weights (without codebook)", no_cb * s,
+                f"{no_cb:,} params")]
+    for k, lab in (("fusion", "context fusion W_fc + norm"), ("layers", f"{cfg.num_layers} drafter layers"),
+                   ("bridge", "bridge R_l, W_l, G_r, G_p, V_p"), ("embeddings", "mask/row embeddings, norm_f")):
+        rows.append(Row(f"drafter_weights.{k}", lab, pc[k] * s, f"{pc[k]:,} params", indent=1, in_total=False))
+    if cfg.bridge:
+        rows.append(Row("codebook", f"token codebook E [{V}, {dc}]", pc["codebook"] * s))
+    if cfg.final_stage:
+        rows.append(Row("greedy_tables", f"greedy lookup tables [{V}, {dm}] + [{V}, {2 * dm}]",
+                        V * 3 * dm * s, "dspine scores exact conditional tables instead", layout="release"))
+        rows.append(Row("quantized_head", f"quantized coarse head copy [{V}, {d}] int8/fp8", V * d,
+                        "+ scales below"))
+        rows.append(Row("quantized_head_scales", f"coarse head row scales [{V}] float32", V * 4, indent=1))
+    per = draft_kv_bytes_per_position(cfg, s)
+    W = cfg.window
+    ring = ring_buffer_positions(context, W)
+    rows += [
+        Row("draft_kv_per_position", "draft K/V, one position", per,
+            f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x {s} B",
+            in_total=False),
+        Row("draft_kv_window", f"draft K/V, full window ({W} positions)", W * per, in_total=False),
+        Row("draft_kv_dense", f"draft K/V, {context} retained positions, dense pool (release)",
+            context * per, layout="release", scope="request"),
+        Row("draft_kv_ring", f"draft K/V, {context} retained positions, bounded ring buffer (dspine)",
+            ring * per, f"{ring} slots after a prefill (never above the window; below it the "
+                        f"buffer grows by doubling)", layout="dspine", scope="request"),
+    ]
+    notes = []
+    if spec is not None:
+        if context > spec.max_positions:
+            notes.append(f"context {context} exceeds the target's window of {spec.max_positions} positions")
+        kv_el = spec.kv_elements(context)
+        rows += [
+            Row("target_weights", f"target weights ({spec.name})", spec.params * ts,
+                f"{spec.params:,} params; output head/embedding shared with the drafter"),
+            Row("target_kv_per_position", "target KV, one position",
+                (spec.kv_per_position + sum(e for _, e in spec.sliding)) * ts, in_total=False),
+            Row("target_kv", f"target KV, {context} positions", kv_el * ts, scope="request"),
+        ]
+        if spec.state_fp32 or spec.conv_state:
+            rows.append(Row("target_state", "target recurrent state (float32) + conv state",
+                            spec.state_fp32 * 4 + spec.conv_state * ts, scope="request"))
+    if concurrency > 8:
+        notes.append(f"concurrency {concurrency} is above the validated limit 8 (the runtime refuses it)")
+    return MemoryReport(profile=profile or cfg.mode, dtype=dtype if isinstance(dtype, str) else str(dtype),
+                        context=context, concurrency=concurrency, window=W,
+                        target=spec.name if spec else None, rows=rows, notes=notes)
+
+
+def drafter_config(name: str, target=None) -> DSpineConfig:
+    """``release`` | ``small`` | a config path (file or checkpoint directory).
+
+    With a target, the release/small profiles are sized for it
+    (:meth:`DSpineConfig.for_target`); a config path is checked against it.
+    """
+    from .draft import check_fits_target
+
+    if name in ("release", "small"):
+        if target is None:
+            return DSpineConfig.release() if name == "release" else DSpineConfig.small()
+        return DSpineConfig.for_target(target, profile=name)
+    p = Path(name)
+    if not p.exists():
+        raise ConfigError(f"--config {name!r}: expected release, small, or a drafter config path")
+    cfg = DSpineConfig.load(p)
+    if target is not None:
+        check_fits_target(cfg, target, where=f"--config {name}")
+    return cfg
+
+
+# -- measured allocation (for checks) -------------------------------------------------------------
+def tensor_bytes(tensors) -> int:
+    """Sum of ``numel * element_size`` over tensors (each storage once by data pointer)."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.data_ptr(), t.numel(), t.dtype) if t.device.type != "meta" else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+def cmd_memory(args) -> int:
+    spec = target_spec(args.target) if args.target else None
+    cfg = drafter_config(args.config, spec)
+    profile = args.config if args.config in ("release", "small") else Path(args.config).name
+    rep = estimate(cfg, spec, context=args.context, concurrency=args.concurrency, dtype=args.dtype,
+                   profile=profile)
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+    else:
+        print(rep.render())
+    return 0
+
+
+def add_memory_parser(sub) -> None:
+    """Register ``dspine memory`` (called from :func:`dspine.cli._optional_parsers`)."""
+    p = sub.add_parser("memory", help="resident memory footprint of a drafter (+ target)",
+                       description="Resident footprint: drafter weights, draft context K/V (dense pool "
+                                   "vs bounded ring buffer), codebook, greedy tables, quantized head, "
+                                   "and target weights/KV/state when a target is named.")
+    p.add_argument("--config", default="release", help="release | small | drafter config path (default release)")
+    p.add_argument("--target", default=None, help="target name, HF dir, .gguf, or random:<arch>")
+    p.add_argument("--context", type=int, default=None,
+                   help="retained positions per request (default 131072, capped at the target's window)")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_memory)
+
+
+if __name__ == "__main__":  # python -m dspine.memory ...
+    ap = argparse.ArgumentParser(prog="dspine-memory")
+    add_memory_parser(ap.add_subparsers(dest="command", required=True))
+    a = ap.parse_args(["memory"] + sys.argv[1:])
+    sys.exit(a.func(a))

@@ -1,0 +1,345 @@
+"""Verification-length policies: how many drafted tokens to verify per cycle (spec section 5).
+
+The engine asks ``policy(request, n_max) -> n`` at the start of every cycle, *before*
+the drafter proposes (``Engine._verification_length``), so a policy can only use what
+is known before the tokens it covers are drawn: statistics of earlier cycles, the
+measured cost curve, the settings. That makes every policy here *non-anticipating*:
+the choice of n is independent of this cycle's random draws, so speculative sampling
+stays exact for every n (proved by the distribution test in ``tests/test_policy.py``,
+where an anticipating rule that cuts the block after looking at a sampled token fails).
+
+Policies:
+
+- :class:`FixedPolicy` (``fixed``, the default): always ``n_max`` (or a set n).
+- :class:`CostModelPolicy` (``cost``): chooses n maximizing expected tokens per second,
+  ``E[tokens | n] / C(n)``, where
+
+  * ``E[tokens | n] = 1 + sum_{k<=n} S_k`` with ``S_k = prod_{j<=k} c_j`` the chance
+    that the first k proposals are all accepted, and ``c_j`` the draft's confidence at
+    position j: the acceptance rate of position j among earlier cycles that verified it
+    with positions < j accepted (a censored, Kaplan-Meier style estimate, so positions
+    cut by a short n are not counted as rejections). This request's cycles
+    (exponentially decayed, ``half_life``) are blended with the statistics of all
+    requests this policy has seen (the workload's profile) and a prior ``prior_accept``;
+  * ``C(n)`` is the cycle cost measured once on this machine (:func:`measure_cost`,
+    cached per target/drafter/device/dtype): the target forward over n+1 tokens plus,
+    for n >= 1, the draft forward and the final stage's n serial steps. n = 0 is a
+    plain autoregressive step (no drafting).
+
+A policy that *truncates the block after looking at which token was sampled* (e.g.
+dropping the first proposal equal to some token) is anticipating: the verified
+proposal at that position is then drawn from q conditioned on not being that token
+while the verifier still divides by q, which biases the output.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+POLICIES = ("fixed", "cost")
+
+
+class VerifyPolicy:
+    """Interface: ``policy(req, n_max) -> n`` with ``0 <= n <= n_max``, called before
+    drafting. ``req`` is a :class:`dspine.engine.Request` (``cycles``, ``drafted_at``,
+    ``accepted_at``)."""
+
+    name = "base"
+
+    def __call__(self, req, n_max: int) -> int:
+        raise NotImplementedError
+
+
+class FixedPolicy(VerifyPolicy):
+    """Verify ``n`` proposals per cycle (``None``: all the block allows, ``n_max``)."""
+
+    name = "fixed"
+
+    def __init__(self, n: int | None = None):
+        if n is not None and n < 0:
+            raise ValueError(f"FixedPolicy n must be >= 0, got {n}")
+        self.n = n
+
+    def __call__(self, req, n_max: int) -> int:
+        return n_max if self.n is None else min(self.n, n_max)
+
+
+# -- cost curve -------------------------------------------------------------------------------
+@dataclass
+class CostCurve:
+    """Measured cycle cost on this machine, seconds.
+
+    verify_s[n]: target forward over n+1 tokens (anchor + n proposals), n = 0..n_max.
+    draft_s: drafter forward per cycle (any n >= 1: all rows run together).
+    final_per_row_s: final stage cost per proposal (serial chain).
+    """
+
+    verify_s: list[float]
+    draft_s: float = 0.0
+    final_per_row_s: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_max(self) -> int:
+        return len(self.verify_s) - 1
+
+    def cycle_s(self, n: int) -> float:
+        """Cost of a cycle verifying n proposals (n = 0: plain autoregressive step)."""
+        n = min(n, self.n_max)
+        c = self.verify_s[n]
+        if n > 0:
+            c += self.draft_s + self.final_per_row_s * n
+        return c
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostCurve":
+        return cls(**d)
+
+
+_COST_CACHE: dict[tuple, CostCurve] = {}
+
+
+def _isotonic(ys: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): timing noise must not
+    make a longer verification look cheaper, and one slow outlier must not lift the rest."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    out: list[float] = []
+    for m, c in blocks:
+        out += [m] * int(c)
+    return out
+
+
+def _interp(points: dict[int, float], n_max: int) -> list[float]:
+    """Isotonic fit of the measured points, then piecewise-linear interpolation over 0..n_max."""
+    xs = sorted(points)
+    fit = dict(zip(xs, _isotonic([points[x] for x in xs])))
+    out = []
+    for n in range(n_max + 1):
+        if n in fit:
+            out.append(fit[n])
+        else:
+            hi = next(x for x in xs if x > n)
+            lo = max(x for x in xs if x < n)
+            out.append(fit[lo] + (fit[hi] - fit[lo]) * (n - lo) / (hi - lo))
+    return out
+
+
+@torch.no_grad()
+def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repeats: int = 3,
+                 use_cache: bool = True) -> CostCurve:
+    """Measure the cycle cost curve of ``target`` (+ ``proposer``) once and cache it.
+
+    Runs target forwards of n+1 tokens after a ``context``-token prefix at a few n
+    (median of ``repeats`` after a warm-up; other n interpolated), and one full
+    proposal of the proposer. The cache key is (target, drafter, device, dtype, n_max).
+    """
+    drafter = getattr(proposer, "drafter", None)
+    key = (id(target.model), target.name, str(target.device), str(target.dtype), n_max,
+           id(drafter) if drafter is not None else id(proposer), context)
+    if use_cache and key in _COST_CACHE:
+        return _COST_CACHE[key]
+    from .config import SamplingConfig
+
+    V = target.vocab_size
+    layers = list(getattr(proposer, "feature_layers", [])) if proposer is not None else None
+    ids = (torch.arange(1, context + 1) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)[None].to(target.device)
+    cache = target.new_cache()
+    out = target.forward(ids, cache, layers, logits_to_keep=1)
+    cache.rollback(context)
+    pts = sorted({n for n in (0, 1, 2, 3, 4, 6, 8, 12, n_max) if 0 <= n <= n_max})
+    meas: dict[int, float] = {}
+    for n in pts:
+        x = ids[:, : n + 1]
+        ts = []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            target.forward(x, cache, layers)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            dt = time.perf_counter() - t0
+            cache.rollback(context)
+            if r:  # first run is a warm-up
+                ts.append(dt)
+        meas[n] = statistics.median(ts)
+    draft_s = final_row = 0.0
+    if proposer is not None and n_max > 0:
+        state = proposer.new_state(ids[0].tolist())
+        if out.features is not None:
+            proposer.commit(state, out.features[0], 0)
+        d, f = [], []
+        for r in range(repeats + 1):
+            p = proposer.propose(state, int(ids[0, -1]), context, n_max, SamplingConfig(), None)
+            if r:
+                d.append(p.draft_s)
+                f.append(p.final_s)
+        draft_s, final_row = statistics.median(d), statistics.median(f) / n_max
+    curve = CostCurve(_interp(meas, n_max), draft_s, final_row,
+                      meta={"context": context, "repeats": repeats, "measured_n": pts,
+                            "device": str(target.device), "dtype": str(target.dtype)})
+    if use_cache:
+        _COST_CACHE[key] = curve
+    return curve
+
+
+# -- acceptance statistics ----------------------------------------------------------------------
+class AcceptanceStats:
+    """Exponentially decayed, censored per-position acceptance counts.
+
+    ``risk[k]``: cycles that verified position k+1 with positions <= k accepted;
+    ``acc[k]``: those of them that accepted position k+1.
+    """
+
+    def __init__(self, half_life: float):
+        self.decay = 0.5 ** (1.0 / half_life) if half_life and math.isfinite(half_life) else 1.0
+        self.risk: list[float] = []
+        self.acc: list[float] = []
+        self.cycles = 0
+
+    def update(self, n: int, accepted: int) -> None:
+        """Add one cycle that verified ``n`` proposals and accepted ``accepted``."""
+        if n <= 0:
+            return
+        if self.decay < 1.0:
+            self.risk = [r * self.decay for r in self.risk]
+            self.acc = [a * self.decay for a in self.acc]
+        while len(self.risk) < n:
+            self.risk.append(0.0)
+            self.acc.append(0.0)
+        for k in range(min(n, accepted + 1)):  # positions 1..min(n, a+1) were at risk
+            self.risk[k] += 1.0
+            if k < accepted:
+                self.acc[k] += 1.0
+        self.cycles += 1
+
+    def counts(self, k: int) -> tuple[float, float]:
+        """(accepted, at risk) for position k+1 (zeros when never verified)."""
+        return (self.acc[k], self.risk[k]) if k < len(self.risk) else (0.0, 0.0)
+
+
+class _RequestState:
+    __slots__ = ("stats", "seen")
+
+    def __init__(self, half_life: float):
+        self.stats = AcceptanceStats(half_life)
+        self.seen = 0  # req.cycles consumed
+
+
+class CostModelPolicy(VerifyPolicy):
+    """Choose n maximizing expected tokens per second (see the module docstring).
+
+    Args:
+        cost: the measured :class:`CostCurve` (:func:`measure_cost`).
+        prior_accept: prior per-position acceptance rate c_j before any statistics.
+        prior_weight: pseudo-cycles of that prior.
+        half_life: decay (cycles) of a request's own statistics.
+        global_half_life: decay of the statistics pooled over requests.
+        global_weight_cap: at most this many pseudo-cycles of pooled statistics act as
+            the prior of a request (so a request's own behaviour takes over quickly).
+        explore_every: every this many cycles of a request, verify ``n_max`` whatever
+            the estimate says, so positions a short n never reaches keep being measured
+            (0: never). The choice depends on the cycle count only: non-anticipating.
+    """
+
+    name = "cost"
+
+    def __init__(self, cost: CostCurve, prior_accept: float = 0.6, prior_weight: float = 2.0,
+                 half_life: float = 64.0, global_half_life: float = 1024.0, global_weight_cap: float = 16.0,
+                 explore_every: int = 16):
+        if not 0.0 <= prior_accept <= 1.0:
+            raise ValueError(f"prior_accept must be in [0, 1], got {prior_accept}")
+        if explore_every < 0:
+            raise ValueError(f"explore_every must be >= 0, got {explore_every}")
+        self.cost = cost
+        self.prior_accept, self.prior_weight = prior_accept, prior_weight
+        self.half_life, self.global_weight_cap = half_life, global_weight_cap
+        self.explore_every = explore_every
+        self.pooled = AcceptanceStats(global_half_life)
+        self.decisions: list[int] = []
+
+    # statistics ----------------------------------------------------------------------------
+    def _state(self, req) -> _RequestState:
+        st = getattr(req, "_verify_policy_state", None)
+        if st is None or getattr(req, "_verify_policy_owner", None) is not self:
+            st = _RequestState(self.half_life)
+            req._verify_policy_state, req._verify_policy_owner = st, self
+        for c in req.cycles[st.seen:]:  # completed cycles only: never this cycle's draws
+            a = max(0, int(c.emitted) - 1)
+            st.stats.update(int(c.n), a)
+            self.pooled.update(int(c.n), a)
+        st.seen = len(req.cycles)
+        return st
+
+    def confidence(self, stats: AcceptanceStats, n_max: int) -> list[float]:
+        """Estimated acceptance rate c_j for positions j = 1..n_max."""
+        out = []
+        for k in range(n_max):
+            ga, gr = self.pooled.counts(k)
+            m = (ga + self.prior_weight * self.prior_accept) / (gr + self.prior_weight)
+            w = min(gr + self.prior_weight, max(self.global_weight_cap, self.prior_weight))
+            ra, rr = stats.counts(k)
+            out.append((ra + w * m) / (rr + w))
+        return out
+
+    def expected_tokens(self, conf: list[float]) -> list[float]:
+        """E[tokens emitted | n] for n = 0..len(conf): 1 + sum_{k<=n} prod_{j<=k} c_j."""
+        e, s, out = 1.0, 1.0, [1.0]
+        for c in conf:
+            s *= c
+            e += s
+            out.append(e)
+        return out
+
+    def choose(self, conf: list[float], n_max: int) -> int:
+        """argmax_n E[tokens | n] / C(n) over 0..n_max (smallest n on ties)."""
+        n_max = min(n_max, self.cost.n_max)
+        e = self.expected_tokens(conf[:n_max])
+        best, best_rate = 0, -1.0
+        for n in range(n_max + 1):
+            c = self.cost.cycle_s(n)
+            rate = e[n] / c if c > 0 else float("inf")
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
+        return best
+
+    def __call__(self, req, n_max: int) -> int:
+        st = self._state(req)
+        if self.explore_every and st.seen % self.explore_every == self.explore_every - 1:
+            n = n_max
+        else:
+            n = self.choose(self.confidence(st.stats, n_max), n_max)
+        self.decisions.append(n)
+        return n
+
+
+def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
+                cost: CostCurve | None = None) -> VerifyPolicy:
+    """Build a policy by name: ``fixed`` or ``cost`` (measures the cost curve of
+    ``target`` + ``proposer`` unless ``cost`` is given).
+
+    Raises:
+        ValueError: unknown name (naming ``--verify-policy`` and the accepted values).
+    """
+    if name == "fixed":
+        return FixedPolicy()
+    if name == "cost":
+        if cost is None:
+            if target is None:
+                raise ValueError("--verify-policy cost needs a target to measure the cost curve")
+            if n_max is None:
+                n_max = (getattr(proposer, "block_size", 16) - 1) if proposer is not None else 0
+            cost = measure_cost(target, proposer, n_max=n_max)
+        return CostModelPolicy(cost)
+    raise ValueError(f"--verify-policy {name!r} is unknown; accepted: {', '.join(POLICIES)}")

@@ -1,0 +1,361 @@
+"""Tests of dspine.policy: verification-length policies (spec section 5).
+
+- policies return n in [0, n_max]; the cost model picks the n that maximizes expected
+  tokens per second for known acceptance/cost, and learns it from past cycles;
+- greedy output with the cost policy equals the plain ``ar`` output;
+- distribution test (tiny random target, exact enumeration of the target's sampled
+  sequences vs chi-square): passes with the cost policy on; an *anticipating* rule (a
+  proposer wrapper that drops the block from the first sampled token equal to some
+  value, i.e. decides whether to verify a token after looking at it) fails. Stopping
+  the chain right *after* such a token (keeping it; "stop the chain at the step
+  itself", spec s.5) is not anticipating and passes.
+"""
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import torch
+from scipy import stats
+
+from dspine.config import SamplingConfig
+from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.engine import Engine, Request
+from dspine.policy import (POLICIES, AcceptanceStats, CostCurve, CostModelPolicy, FixedPolicy, make_policy,
+                           measure_cost)
+from dspine.sampling import filter_probs, sample_index, uniform
+from dspine.target import load_target
+
+V = 8  # tiny vocabulary: sequences can be enumerated exactly
+PROMPT = [3, 1, 4, 1, 5]
+M = 4  # new tokens per sampled sequence (first from the prefill, then cycles with n <= 2)
+SAMPLING = dict(temperature=1.0, top_p=0.95)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: small matmuls are much slower with 2 threads
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    t = load_target("random:llama", vocab_size=V, seed=0)
+    t.eos_token_ids = frozenset()  # every sample has exactly M tokens
+    return t
+
+
+@pytest.fixture(scope="module")
+def tiny256():
+    return load_target("random:llama", vocab_size=256, seed=1)
+
+
+# -- helpers -------------------------------------------------------------------------------
+class _Cycle:
+    def __init__(self, n, emitted):
+        self.n, self.emitted = n, emitted
+
+
+class _Req:
+    """Stand-in for engine.Request: the policy reads ``cycles`` only."""
+
+    def __init__(self):
+        self.cycles = []
+
+
+class ScriptedProposer(Proposer):
+    """Proposes the target's greedy continuation for the first ``good`` positions of
+    each block and a wrong token after them (so acceptance is exactly ``good``)."""
+
+    needs_features = False
+    feature_layers: list[int] = []
+
+    def __init__(self, cont: list[int], prompt_len: int, block_size: int, good: int, vocab: int):
+        self.cont, self.P, self.block_size, self.good, self.vocab = cont, prompt_len, block_size, good, vocab
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
+        k = anchor_pos - self.P + 1
+        toks = [self.cont[j] if j < len(self.cont) else 0 for j in range(k, k + n)]
+        toks = [t if i < self.good else (t + 1) % self.vocab for i, t in enumerate(toks)]
+        return Proposal(torch.tensor(toks, dtype=torch.long))
+
+
+class PeakedProposer(Proposer):
+    """Draws every proposal from a fixed q with mass ``mass`` on token ``v`` (sparse q
+    over the whole vocabulary). Cheap, and far from the target: a good test bed."""
+
+    needs_features = False
+    feature_layers: list[int] = []
+    block_size = 4
+
+    def __init__(self, v: int, mass: float = 0.7):
+        self.q = torch.full((V,), (1 - mass) / (V - 1), dtype=torch.float64)
+        self.q[v] = mass
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
+        toks = [sample_index(self.q, uniform(gen)) for _ in range(n)]
+        return Proposal(torch.tensor(toks, dtype=torch.long), torch.arange(V).expand(n, V).clone(),
+                        self.q.expand(n, V).clone())
+
+
+class CutAtToken(Proposer):
+    """Wrapper that ends the block at the first proposal equal to ``value``.
+
+    ``keep=False`` drops that proposal (and the rest): whether y_k is verified is decided
+    *after* y_k was drawn -- anticipating, biased. ``keep=True`` keeps it and drops the
+    rest: the chain stops at the step itself, positions after k are never drawn -- fine.
+    """
+
+    def __init__(self, inner: Proposer, value: int, keep: bool):
+        self.inner, self.value, self.keep = inner, value, keep
+        self.block_size = inner.block_size
+        self.feature_layers = inner.feature_layers
+        self.needs_features = inner.needs_features
+
+    def new_state(self, prompt_ids):
+        return self.inner.new_state(prompt_ids)
+
+    def commit(self, state, features, start_pos):
+        self.inner.commit(state, features, start_pos)
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
+        p = self.inner.propose(state, anchor, anchor_pos, n, sampling, gen)
+        hit = (p.tokens == self.value).nonzero()
+        if hit.numel():
+            k = int(hit[0]) + int(self.keep)
+            p = Proposal(p.tokens[:k], None if p.q_ids is None else p.q_ids[:k],
+                         None if p.q_probs is None else p.q_probs[:k], p.draft_s, p.final_s)
+        return p
+
+
+@torch.no_grad()
+def exact_distribution(target, prompt: list[int], m: int, sampling: SamplingConfig) -> dict[tuple, float]:
+    """P(first m sampled tokens) under the target's plain sampler, by enumeration."""
+    probs: dict[tuple, float] = {(): 1.0}
+    for _ in range(m):
+        pref = list(probs)
+        ids = torch.tensor([prompt + list(p) for p in pref])
+        p = filter_probs(target.model(input_ids=ids).logits[:, -1].float(), sampling)  # [n, V]
+        probs = {pr + (v,): probs[pr] * float(p[i, v]) for i, pr in enumerate(pref)
+                 for v in range(V) if p[i, v] > 0}
+    return probs
+
+
+def chi_square(engine: Engine, exact: dict, n_samples: int) -> tuple[float, int]:
+    """(p-value, samples outside the support) of n_samples sequences vs ``exact``.
+    Cells with expected count < 5 are pooled into one."""
+    counts = collections.Counter()
+    for s in range(n_samples):
+        r = engine.generate(PROMPT, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=M)
+        counts[tuple(r.token_ids)] += 1
+    impossible = sum(c for k, c in counts.items() if k not in exact)
+    obs, exp, ro, re = [], [], 0, 0.0
+    for k, pk in sorted(exact.items(), key=lambda kv: -kv[1]):
+        e = pk * n_samples
+        if e >= 5:
+            obs.append(counts[k])
+            exp.append(e)
+        else:
+            ro += counts[k]
+            re += e
+    obs.append(ro)
+    exp.append(re)
+    assert len(obs) >= 8, "too few cells for a meaningful test"
+    return float(stats.chisquare(obs, exp).pvalue), impossible
+
+
+def varied_cost_policy() -> CostModelPolicy:
+    """Cost policy with a synthetic curve on which n depends on the acceptance history,
+    exploring every second cycle (so n varies within and across requests)."""
+    return CostModelPolicy(CostCurve([1.0, 1.15, 1.3, 1.45]), prior_accept=0.5, explore_every=2)
+
+
+# -- policy API -----------------------------------------------------------------------------
+def test_fixed_policy():
+    assert FixedPolicy()(_Req(), 7) == 7
+    assert FixedPolicy(3)(_Req(), 7) == 3 and FixedPolicy(3)(_Req(), 2) == 2
+    with pytest.raises(ValueError):
+        FixedPolicy(-1)
+    assert POLICIES == ("fixed", "cost")
+    with pytest.raises(ValueError, match="--verify-policy 'greedy' is unknown; accepted: fixed, cost"):
+        make_policy("greedy")
+
+
+def test_cost_policy_returns_n_in_range():
+    rng = random.Random(0)
+    for trial in range(40):
+        n_max_curve = rng.randint(1, 15)
+        curve = CostCurve(sorted(rng.uniform(0.01, 0.1) for _ in range(n_max_curve + 1)),
+                          draft_s=rng.uniform(0, 0.05), final_per_row_s=rng.uniform(0, 0.005))
+        pol = CostModelPolicy(curve, prior_accept=rng.random(), explore_every=rng.choice([0, 3]))
+        req = _Req()
+        for _ in range(12):
+            n_max = rng.randint(1, 15)
+            n = pol(req, n_max)
+            assert 0 <= n <= n_max and isinstance(n, int)
+            req.cycles.append(_Cycle(n, rng.randint(1, n + 1)))
+
+
+def test_cost_policy_maximizes_expected_rate():
+    curve = CostCurve([1.0, 1.1, 1.2, 1.3, 1.4, 1.5], draft_s=0.5)
+    pol = CostModelPolicy(curve, explore_every=0)
+    # acceptance 1 up to position 3, then 0: E = 4 tokens for any n >= 3 -> n = 3
+    assert pol.choose([1.0, 1.0, 1.0, 0.0, 0.0], 5) == 3
+    # nothing is ever accepted: drafting only costs -> plain step
+    assert pol.choose([0.0] * 5, 5) == 0
+    # free verification and certain acceptance: verify everything allowed
+    assert CostModelPolicy(CostCurve([1.0] * 6)).choose([1.0] * 5, 4) == 4
+    assert pol.expected_tokens([0.5, 0.5]) == [1.0, 1.5, 1.75]
+
+
+def test_acceptance_stats_are_censored():
+    st = AcceptanceStats(half_life=float("inf"))
+    st.update(n=3, accepted=3)  # positions 1..3 accepted
+    st.update(n=1, accepted=1)  # position 1 accepted; 2, 3 not verified (not a rejection)
+    st.update(n=3, accepted=0)  # position 1 rejected; 2, 3 never reached
+    assert st.counts(0) == (2.0, 3.0)
+    assert st.counts(1) == (1.0, 1.0) and st.counts(2) == (1.0, 1.0)
+    assert st.counts(5) == (0.0, 0.0)
+
+
+def test_cost_policy_learns_acceptance_from_past_cycles(tiny256):
+    """A proposer right for exactly 3 positions: once measured, the policy verifies 3."""
+    from dspine.engine import Engine as E
+
+    prompt = list(range(10, 30))
+    tiny256.eos_token_ids, saved = frozenset(), tiny256.eos_token_ids
+    try:
+        cont = E(tiny256, None, "ar").generate(prompt, SamplingConfig(), 60).token_ids
+        prop = ScriptedProposer(cont, len(prompt), block_size=8, good=3, vocab=256)
+        pol = CostModelPolicy(CostCurve([1.0 + 0.1 * n for n in range(8)], draft_s=0.5), explore_every=0)
+        eng = Engine(tiny256, prop, "dspine", verify_policy=pol)
+        res = eng.generate(prompt, SamplingConfig(), 60)
+    finally:
+        tiny256.eos_token_ids = saved
+    ns = res.stats.verification_lengths
+    assert ns[0] > 3  # the prior (0.6 per position) makes drafting past 3 look worthwhile
+    assert all(n == 3 for n in ns[4:-3]), ns  # learned: positions > 3 are never accepted
+    assert res.token_ids == cont[: len(res.token_ids)]
+
+
+def test_cost_curve_fit_is_monotone():
+    from dspine.policy import _interp
+
+    curve = _interp({0: 1.0, 1: 2.0, 2: 1.5, 4: 3.0, 8: 2.9, 15: 4.0}, 15)
+    assert len(curve) == 16 and curve[0] == 1.0 and curve[-1] == 4.0
+    assert all(b >= a for a, b in zip(curve, curve[1:]))
+    assert curve[1] == curve[2] == 1.75  # a noisy pair is pooled, not lifted to the max
+
+
+def test_measure_cost_is_cached_and_monotone(tiny256):
+    prop = DrafterProposer(random_drafter(tiny256, block_size=8))
+    c1 = measure_cost(tiny256, prop, n_max=7, context=32, repeats=1)
+    assert len(c1.verify_s) == 8 and c1.n_max == 7
+    assert all(b >= a > 0 for a, b in zip(c1.verify_s, c1.verify_s[1:]))
+    assert c1.draft_s > 0 and c1.final_per_row_s >= 0
+    assert measure_cost(tiny256, prop, n_max=7, context=32, repeats=1) is c1
+    assert CostCurve.from_dict(c1.to_dict()) == c1
+    assert c1.cycle_s(0) == c1.verify_s[0] < c1.cycle_s(3)
+
+
+# -- greedy equality ------------------------------------------------------------------------
+def test_greedy_with_cost_policy_equals_ar(tiny256):
+    prompt = [72, 101, 108, 108, 111, 44, 32, 119]
+    ar = Engine(tiny256, None, "ar").generate(prompt, SamplingConfig(), 40)
+    prop = DrafterProposer(random_drafter(tiny256, block_size=8))
+    measured = make_policy("cost", tiny256, prop)  # measured cost curve on this machine
+    eng = Engine(tiny256, prop, "dspine", verify_policy=measured)
+    assert eng.generate(prompt, SamplingConfig(), 40).token_ids == ar.token_ids
+    # a curve on which n varies (cheap verification, exploration): output unchanged
+    pol = CostModelPolicy(CostCurve([1.0 + 0.05 * n for n in range(8)], draft_s=0.1), explore_every=3)
+    res = Engine(tiny256, prop, "dspine", verify_policy=pol).generate(prompt, SamplingConfig(), 40)
+    assert res.token_ids == ar.token_ids
+    assert len(set(res.stats.verification_lengths)) >= 2
+
+
+def test_engine_calls_policy_before_proposing(tiny256):
+    """Non-anticipation at the interface: the policy is asked before the proposer runs
+    and sees only completed cycles."""
+    events = []
+    prop = DrafterProposer(random_drafter(tiny256, block_size=4))
+    orig = prop.propose
+
+    def propose(*a, **k):
+        events.append("propose")
+        return orig(*a, **k)
+
+    prop.propose = propose
+
+    def policy(req: Request, n_max: int) -> int:
+        events.append(("policy", len(req.cycles)))
+        return 2
+
+    eng = Engine(tiny256, prop, "dspine", verify_policy=policy)
+    res = eng.generate([65, 66, 67], SamplingConfig(), 8)
+    assert events[0] == ("policy", 0) and events[1] == "propose"
+    pol_calls = [e for e in events if e != "propose"]
+    assert [c for _, c in pol_calls] == list(range(len(pol_calls)))
+    assert all(n <= 2 for n in res.stats.verification_lengths)
+
+
+# -- distribution tests ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exact(tiny):
+    return exact_distribution(tiny, PROMPT, M, SamplingConfig(**SAMPLING))
+
+
+def _likely_second_token(exact: dict) -> int:
+    m = collections.Counter()
+    for k, p in exact.items():
+        m[k[1]] += p
+    return max(m, key=m.get)
+
+
+def test_distribution_with_cost_policy_dspine_drafter(tiny, exact):
+    pol = varied_cost_policy()
+    eng = Engine(tiny, DrafterProposer(random_drafter(tiny, block_size=4)), "dspine", verify_policy=pol)
+    p, impossible = chi_square(eng, exact, 600)
+    assert impossible == 0
+    assert len(set(pol.decisions)) >= 2  # the policy really varied n
+    assert p > 1e-3, p
+
+
+def test_distribution_anticipating_truncation_fails(tiny, exact):
+    """Negative control: dropping the block from the first proposal equal to v (decided
+    after seeing it) biases the output; the chi-square test must reject it."""
+    v = _likely_second_token(exact)
+    eng = Engine(tiny, CutAtToken(PeakedProposer(v), v, keep=False), "dspine")
+    p, _ = chi_square(eng, exact, 400)
+    assert p < 1e-6, p
+
+
+def test_distribution_stop_after_token_passes(tiny, exact):
+    """Stopping the chain right after the sampled v (keeping it) never decides whether
+    to verify a drawn token from its own value: exact, like the cost policy."""
+    v = _likely_second_token(exact)
+    pol = varied_cost_policy()
+    eng = Engine(tiny, CutAtToken(PeakedProposer(v), v, keep=True), "dspine", verify_policy=pol)
+    p, impossible = chi_square(eng, exact, 400)
+    assert impossible == 0
+    assert p > 1e-3, p
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def test_cli_generate_verify_policy(capsys):
+    import json
+
+    from dspine.cli import main
+
+    for pol in ("fixed", "cost"):
+        rc = main(["generate", "Hi", "--target", "random:llama", "--drafter", "random", "--max-new-tokens", "12",
+                   "--verify-policy", pol, "--json"])
+        assert rc == 0
+        out = json.loads(capsys.readouterr().out)
+        assert len(out["token_ids"]) == 12
+        assert all(0 <= n <= 15 for n in out["stats"]["verification_lengths"])
+    rc = main(["generate", "Hi", "--target", "random:llama", "--drafter", "random", "--verify-policy", "oracle"])
+    assert rc == 2
+    assert "--verify-policy 'oracle' is unknown; accepted: fixed, cost" in capsys.readouterr().err
