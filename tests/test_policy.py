@@ -70,8 +70,7 @@ class ScriptedProposer(Proposer):
     """Proposes the target's greedy continuation for the first ``good`` positions of
     each block and a wrong token after them (so acceptance is exactly ``good``)."""
 
-    needs_features = False
-    feature_layers: list[int] = []
+    feature_layers = [0]  # features are captured but unused (works with any engine version)
 
     def __init__(self, cont: list[int], prompt_len: int, block_size: int, good: int, vocab: int):
         self.cont, self.P, self.block_size, self.good, self.vocab = cont, prompt_len, block_size, good, vocab
@@ -87,8 +86,7 @@ class PeakedProposer(Proposer):
     """Draws every proposal from a fixed q with mass ``mass`` on token ``v`` (sparse q
     over the whole vocabulary). Cheap, and far from the target: a good test bed."""
 
-    needs_features = False
-    feature_layers: list[int] = []
+    feature_layers = [0]  # features are captured but unused (works with any engine version)
     block_size = 4
 
     def __init__(self, v: int, mass: float = 0.7):
