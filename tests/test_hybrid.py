@@ -370,7 +370,12 @@ def exact_sequence_probs(t: Target, prompt: list[int], sampling: SamplingConfig)
     seqs, probs = [()], torch.ones(1, dtype=torch.float64)
     for _ in range(DIST_LEN):
         ids = torch.tensor([prompt + list(s) for s in seqs])
-        p = filter_probs(t.forward(ids, None, None, logits_to_keep=1).logits[:, -1], sampling)  # [S, V]
+        logits = t.forward(ids, None, None, logits_to_keep=1).logits[:, -1]  # [S, V]
+        # top-k keep/drop must not hinge on float noise between this batched forward
+        # and the engine's cached one (a check on the test itself)
+        top = torch.sort(logits.double() / sampling.temperature, dim=-1, descending=True).values
+        assert (top[:, sampling.top_k - 1] - top[:, sampling.top_k]).min() > 1e-4
+        p = filter_probs(logits, sampling)
         probs = (probs[:, None] * p).reshape(-1)
         seqs = [s + (v,) for s in seqs for v in range(V)]
     return {s: float(q) for s, q in zip(seqs, probs)}
