@@ -1,0 +1,522 @@
+"""Batched speculative decoding over many requests (continuous batching, issue 6).
+
+:class:`BatchEngine` wraps an :class:`~dspine.engine.Engine` and advances every
+running request by one draft -> verify -> commit cycle per :meth:`BatchEngine.step`,
+verifying all of them in **one** target forward although their accepted lengths are
+ragged.
+
+Ragged target KV (:class:`SlotKV`): one pre-allocated buffer per target layer,
+``[rows, kv_heads, cap, head_dim]``. Row ``i`` holds request ``i``'s committed
+positions left-aligned in columns ``0 .. L_i-1``, so *column == absolute position*,
+exactly the layout of a single-request cache. A verification writes the padded
+block ``[anchor, y_1..y_n, pad..]`` (width ``N = max n_i + 1``) of row ``i`` into
+columns ``L_i .. L_i+N-1`` (per-row offsets, in place), with explicit position ids
+``L_i + j`` and a 4-D mask ``column <= L_i + j`` per row and query: a query sees its
+row's committed prefix and the block up to itself, never a stale column. Commit is
+``L_i += accepted + 1``; rejected and pad columns are simply overwritten by the next
+cycle, so there are no holes and nothing to compact. Rows of running requests are
+kept contiguous (``0 .. b-1``, a leaving row is replaced by the last one), so the
+forward reads views of the buffers, not copies. Buffers grow by doubling and are
+freed when the batch empties.
+
+Prefill stays per request (:meth:`Engine.start`, batch 1) and its KV is then copied
+into a free row. Targets whose cache is not plain full attention (sliding windows,
+linear-attention hybrids) or whose attention kernel takes no 4-D mask (only ``sdpa``
+and ``eager`` do) fall back to per-request :meth:`Engine.step` cycles (same
+scheduler, same results, no batched forward).
+
+Exactness: every request sees the same positions, the same committed K/V and the
+same sampler/verifier draws (its own ``torch.Generator``) as in a single-request
+run; only float reduction order differs, so float32 greedy outputs are
+token-identical to single-request runs (tested).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingConfig
+from .draft import DrafterProposer, Proposal
+from .final_stage import candidates, chain, conditional_tables
+from .sampling import filter_probs, sample_index, uniform
+from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request
+from .sampling import sample_token
+from .verify import Verdict, verify
+
+MAX_RUNNING_VALIDATED = 8  # spec section 8: at most 8 concurrent requests
+
+
+def _is_plain_dynamic_layer(layer) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer
+
+
+class _SlotLayer:
+    """One target layer's view of :class:`SlotKV` (the transformers cache-layer protocol)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    is_initialized = True
+
+    def __init__(self, owner: "SlotKV", idx: int):
+        self.owner, self.idx = owner, idx
+
+    @property
+    def keys(self):
+        return self.owner.k[self.idx]
+
+    @property
+    def values(self):
+        return self.owner.v[self.idx]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write new K/V [b, kv, N, hd] at per-row columns; return views [b, kv, K, hd]."""
+        o = self.owner
+        b, kv, n, hd = key_states.shape
+        idx = o._cols[:, None, :, None].expand(b, kv, n, hd)
+        k, v = o.k[self.idx], o.v[self.idx]
+        k[:b].scatter_(2, idx, key_states.to(k.dtype))
+        v[:b].scatter_(2, idx, value_states.to(v.dtype))
+        return k[:b, :, : o._kv_len], v[:b, :, : o._kv_len]
+
+    def get_seq_length(self) -> int:
+        return self.owner._kv_len
+
+    def get_mask_sizes(self, query_length: int):
+        return self.owner._kv_len, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def _make_cache_class():
+    from transformers.cache_utils import Cache
+
+    class _SlotCache(Cache):
+        """transformers Cache facade over :class:`SlotKV` for one batched forward."""
+
+        def __init__(self, owner: "SlotKV"):
+            super().__init__(layers=[_SlotLayer(owner, l) for l in range(owner.num_layers)])
+            self.owner = owner
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.owner._kv_len
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+            return self.owner._kv_len, 0
+
+    return _SlotCache
+
+
+class SlotKV:
+    """Ragged batched target KV cache: rows of left-aligned committed positions.
+
+    Attributes:
+        lengths: committed positions per active row (row i belongs to ``rows[i]``).
+    """
+
+    def __init__(self, num_layers: int, max_rows: int):
+        self.num_layers, self.max_rows = num_layers, max_rows
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+        self._cols: torch.Tensor | None = None
+        self._kv_len = 0
+        self._cache = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    def nbytes(self) -> int:
+        """Bytes allocated by the K/V buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def used_bytes(self) -> int:
+        """Bytes of committed positions (what the running requests hold)."""
+        if not self.k:
+            return 0
+        per_pos = sum(t[0, :, 0].numel() * t.element_size() for t in self.k + self.v)
+        return per_pos * sum(self.lengths)
+
+    def _ensure(self, cap: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Grow the column capacity to >= cap (doubling; allocates from ``like`` shapes)."""
+        have = self.capacity
+        if self.k and cap <= have:
+            return
+        new = max(cap, 2 * have, 64)
+        if not self.k:
+            assert like is not None
+            for kk, vv in like:
+                _, kvh, _, hd = kk.shape
+                self.k.append(kk.new_zeros(self.max_rows, kvh, new, hd))
+                self.v.append(vv.new_zeros(self.max_rows, vv.shape[1], new, vv.shape[-1]))
+            return
+        for lst in (self.k, self.v):
+            for l, t in enumerate(lst):
+                nt = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+                nt[:, :, :have] = t
+                lst[l] = nt
+
+    def add_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> int:
+        """Copy one request's K/V (per layer [1, kv, >=length, hd]) into a new row."""
+        if self.rows >= self.max_rows:
+            raise RuntimeError("no free KV row")
+        self._ensure(length + 1, kv)
+        r = self.rows
+        for l, (kk, vv) in enumerate(kv):
+            self.k[l][r, :, :length] = kk[0, :, :length]
+            self.v[l][r, :, :length] = vv[0, :, :length]
+        self.lengths.append(length)
+        return r
+
+    def remove_row(self, r: int) -> int | None:
+        """Drop row r; the last row moves into r. Returns the moved row's old index or None."""
+        last = self.rows - 1
+        moved = None
+        if r != last:
+            n = self.lengths[last]
+            for lst in (self.k, self.v):
+                for t in lst:
+                    t[r, :, :n] = t[last, :, :n]
+            self.lengths[r] = n
+            moved = last
+        self.lengths.pop()
+        if not self.lengths:  # empty batch: give the memory back
+            self.k, self.v, self._cache = [], [], None
+        return moved
+
+    def prepare(self, width: int, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set up a forward of ``width`` new columns per row.
+
+        Returns (position_ids [b, width], allowed [b, 1, width, K] bool) where
+        ``allowed[i, 0, j, c] = c <= L_i + j``. Column ``L_i + j`` holds position
+        ``L_i + j``; only pad slots (never seen by a real query) can have their position
+        id clamped to ``max_position``.
+        """
+        L = torch.tensor(self.lengths, dtype=torch.long)
+        dev = self.k[0].device
+        cols_new = (L[:, None] + torch.arange(width)[None]).to(dev)  # [b, width]
+        kv_len = max(self.lengths) + width
+        self._ensure(kv_len)
+        self._cols, self._kv_len = cols_new, kv_len
+        cols = torch.arange(kv_len, device=dev)
+        allowed = cols[None, None, None, :] <= cols_new[:, None, :, None]  # [b, 1, width, K]
+        if self._cache is None:
+            self._cache = _make_cache_class()(self)
+        pos = cols_new if max_position is None else cols_new.clamp_max(max_position)
+        return pos, allowed
+
+
+class _RowCache:
+    """Stand-in for a request's :class:`TargetCache` once its KV lives in a :class:`SlotKV` row."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def seq_length(self) -> int:
+        return self.length
+
+    def nbytes(self) -> int:
+        return 0
+
+
+@dataclass
+class BatchCycle:
+    """One batched cycle: requests advanced, times (s) summed over requests for draft/final."""
+
+    batch: int
+    draft_s: float
+    final_s: float
+    verify_s: float
+    total_s: float
+    emitted: int
+
+
+class BatchEngine:
+    """Continuous-batching front of an :class:`Engine` (see module docstring).
+
+    Args:
+        engine: the single-request engine (target, proposer, mode, verify policy).
+        max_running: running requests at most (1..8; the validated limit is 8).
+        batch_draft: run the drafter once for all requests (padded context K/V) instead
+            of once per request; proposals are the same up to float rounding.
+    Raises:
+        EngineError: ``max_running`` outside 1..8 (names ``--max-running``).
+    """
+
+    def __init__(self, engine: Engine, max_running: int = MAX_RUNNING_VALIDATED, batch_draft: bool = True):
+        if not 1 <= int(max_running) <= MAX_RUNNING_VALIDATED:
+            raise EngineError(f"--max-running {max_running} is outside the validated range "
+                              f"1..{MAX_RUNNING_VALIDATED} (spec section 8: at most "
+                              f"{MAX_RUNNING_VALIDATED} concurrent requests)")
+        self.engine = engine
+        self.target = engine.target
+        self.max_running = int(max_running)
+        self.batch_draft = batch_draft
+        self.running: list[Request] = []  # row i of the KV <-> running[i] (batched path)
+        self.kv = SlotKV(self.target.num_layers, self.max_running)
+        self.batched: bool | None = None  # decided at the first prefill
+        self.last_cycle: BatchCycle | None = None
+        cfg = self.target.model.config
+        self._attn = getattr(cfg, "_attn_implementation", "sdpa") or "sdpa"
+
+    # -- counters ------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.max_running - len(self.running)
+
+    def target_kv_bytes(self) -> int:
+        """Bytes of target KV held (batched buffers + any per-request caches)."""
+        return self.kv.nbytes() + sum(r.cache.nbytes() for r in self.running)
+
+    def draft_kv_bytes(self) -> int:
+        """Bytes of drafter context K/V held by running requests."""
+        return sum(int(getattr(r.draft_state, "nbytes", lambda: 0)()) for r in self.running
+                   if r.draft_state is not None)
+
+    def cache_bytes(self) -> int:
+        return self.target_kv_bytes() + self.draft_kv_bytes()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
+            max_new_tokens: int = 128, stop: list[str] | None = None) -> Request:
+        """Prefill a request, emit its first token and let it join the batch.
+
+        A request finished by its first token (EOS, stop, max_new_tokens 1) is returned
+        without joining. Raises EngineError (invalid request) or RuntimeError (no slot).
+        """
+        if self.free_slots <= 0:
+            raise RuntimeError(f"all {self.max_running} slots are running")
+        req = self.engine.start(prompt_ids, sampling, max_new_tokens, stop)
+        if self.batched is None:
+            layers = getattr(req.cache.kv, "layers", [])
+            self.batched = bool(layers) and all(_is_plain_dynamic_layer(l) for l in layers) \
+                and len(layers) == self.target.num_layers and self._attn in ("sdpa", "eager")
+        if req.finished:
+            self._release(req)
+            return req
+        if self.batched:
+            kv = [(l.keys, l.values) for l in req.cache.kv.layers]
+            self.kv.add_row(kv, req.cache.length)
+            req.cache = _RowCache(req.cache.length)
+        self.running.append(req)
+        return req
+
+    def _release(self, req: Request) -> None:
+        req.cache = _RowCache(req.cache.length)
+        req.draft_state = None
+
+    def remove(self, req: Request, reason: str | None = None) -> None:
+        """Take ``req`` out of the batch and free its KV (target and drafter).
+
+        ``reason`` (e.g. ``"cancelled"``) marks an unfinished request finished.
+        """
+        i = next((k for k, r in enumerate(self.running) if r is req), None)
+        if i is None:
+            return
+        if self.batched:
+            moved = self.kv.remove_row(i)
+            if moved is not None:
+                self.running[i] = self.running[moved]
+            self.running.pop()
+        else:
+            self.running.pop(i)
+        if not req.finished:
+            req.finished, req.finish_reason = True, reason or "cancelled"
+            req.t_end = time.perf_counter()
+        self._release(req)
+
+    def step(self) -> dict[int, list[int]]:
+        """One cycle for every running request. Returns ``{id(req): emitted ids}``.
+
+        Finished requests leave the batch (their KV is freed); their :class:`Request`
+        keeps ids, text and statistics (use :meth:`Engine.result`).
+        """
+        if not self.running:
+            return {}
+        t0 = time.perf_counter()
+        if not self.batched:
+            out = {id(r): self.engine.step(r) for r in list(self.running)}
+            c = [r.cycles[-1] for r in self.running if r.cycles]
+            self.last_cycle = BatchCycle(len(self.running), sum(x.draft_s for x in c),
+                                         sum(x.final_s for x in c), sum(x.verify_s for x in c),
+                                         time.perf_counter() - t0, sum(len(v) for v in out.values()))
+        else:
+            out = self._batched_step(t0)
+        for r in [r for r in self.running if r.finished]:
+            self.remove(r)
+        return out
+
+    @torch.no_grad()
+    def _batched_step(self, t0: float) -> dict[int, list[int]]:
+        eng, reqs = self.engine, list(self.running)
+        ns0 = [eng._verification_length(r) for r in reqs]
+        props = self._propose(reqs, ns0)
+        draft_s = sum(p.draft_s for p in props)
+        final_s = sum(p.final_s for p in props)
+        t1 = time.perf_counter()
+        ns = [int(p.tokens.shape[0]) for p in props]
+        width = max(ns) + 1
+        ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, (req, p) in enumerate(zip(reqs, props)):
+            ids[i, 0] = req.anchor
+            ids[i, 1:ns[i] + 1] = p.tokens.cpu()
+        starts = list(self.kv.lengths)
+        pos, allowed = self.kv.prepare(width, eng.max_positions - 1)
+        if self._attn == "sdpa":
+            mask = allowed
+        else:  # eager & co. add the mask to the scores
+            mask = torch.zeros(allowed.shape, dtype=self.target.dtype, device=allowed.device)
+            mask.masked_fill_(~allowed, torch.finfo(self.target.dtype).min)
+        fl = eng.feature_layers
+        res = self.target.model(input_ids=ids.to(self.target.device), attention_mask=mask, position_ids=pos,
+                                past_key_values=self.kv._cache, use_cache=True,
+                                output_hidden_states=fl is not None)
+        logits = res.logits.float()  # [b, width, V]
+        feats = torch.cat([res.hidden_states[l + 1] for l in fl], dim=-1) if fl is not None else None
+        t2 = time.perf_counter()
+        verify_s = t2 - t1
+        out: dict[int, list[int]] = {}
+        emitted = 0
+        for i, (req, p) in enumerate(zip(reqs, props)):
+            tc = time.perf_counter()
+            n = ns[i]
+            lg = logits[i, : n + 1]
+            if n == 0:
+                verdict = Verdict(0, sample_token(lg[0], req.sampling, req.gen))
+            else:
+                verdict = verify(p.tokens, p.q_probs, p.q_ids, lg, req.sampling, req.gen)
+            a = verdict.accepted
+            self.kv.lengths[i] = starts[i] + a + 1
+            req.cache.length = starts[i] + a + 1
+            tv = time.perf_counter()
+            commit_s = 0.0
+            if eng.proposer is not None:
+                f = feats[i, : a + 1] if feats is not None else torch.zeros(a + 1, 0)  # feature-less proposers
+                eng.proposer.commit(req.draft_state, f, starts[i])
+                commit_s = time.perf_counter() - tv
+            for k in range(n):
+                if len(req.drafted_at) <= k:
+                    req.drafted_at.append(0)
+                    req.accepted_at.append(0)
+                req.drafted_at[k] += 1
+                req.accepted_at[k] += int(k < a)
+            new = [int(t) for t in p.tokens[:a]] + [verdict.token]
+            # per-request record: its own draft/final, the shared forward + its verify
+            req.cycles.append(CycleRecord(n, a + 1, p.draft_s + commit_s, p.final_s,
+                                          verify_s + (tv - tc), time.perf_counter() - t0))
+            draft_s += commit_s
+            out[id(req)] = eng._emit(req, new)
+            emitted += len(out[id(req)])
+        self.last_cycle = BatchCycle(len(reqs), draft_s, final_s, verify_s, time.perf_counter() - t0, emitted)
+        return out
+
+    # -- drafting ------------------------------------------------------------------------
+    def _propose(self, reqs: list[Request], ns: list[int]) -> list[Proposal]:
+        """Proposals of every request (n_i = 0: none). One batched drafter forward when
+        the proposer is a :class:`DrafterProposer` and ``batch_draft`` is on."""
+        empty = lambda: Proposal(torch.zeros(0, dtype=torch.long))  # noqa: E731
+        idx = [i for i, n in enumerate(ns) if n > 0]
+        prop = self.engine.proposer
+        if self.batch_draft and len(idx) > 1 and isinstance(prop, DrafterProposer) \
+                and all(reqs[i].draft_state.pos is not None for i in idx):
+            got = _propose_drafter_batch(prop, [reqs[i] for i in idx], [self.kv.lengths[i] for i in idx],
+                                         [ns[i] for i in idx])
+            out = [empty() for _ in reqs]
+            for i, p in zip(idx, got):
+                out[i] = p
+            return out
+        return [prop.propose(r.draft_state, r.anchor, self.kv.lengths[i], ns[i], r.sampling, r.gen)
+                if ns[i] > 0 else empty() for i, r in enumerate(reqs)]
+
+    # -- convenience ---------------------------------------------------------------------
+    def generate_many(self, prompts: list[list[int]], sampling: list[SamplingConfig] | SamplingConfig | None = None,
+                      max_new_tokens: list[int] | int = 128, stop: list[list[str] | None] | None = None
+                      ) -> list[GenerationResult]:
+        """Run all prompts to completion with continuous batching (admission in order)."""
+        k = len(prompts)
+        samp = sampling if isinstance(sampling, list) else [sampling] * k
+        mnt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * k
+        stops = stop if stop is not None else [None] * k
+        reqs: list[Request | None] = [None] * k
+        nxt = 0
+        while nxt < k or self.running:
+            while nxt < k and self.free_slots > 0:
+                reqs[nxt] = self.add(prompts[nxt], samp[nxt], mnt[nxt], stops[nxt])
+                nxt += 1
+            self.step()
+        return [self.engine.result(r) for r in reqs]
+
+
+@torch.no_grad()
+def _propose_drafter_batch(prop: DrafterProposer, reqs: list[Request], positions: list[int],
+                           ns: list[int]) -> list[Proposal]:
+    """:meth:`DrafterProposer.propose` for several requests with one drafter forward.
+
+    Context K/V of the requests (ring buffers of different capacity) are padded to the
+    largest capacity with invalid slots; candidates and conditional tables are batched;
+    the serial chain runs per request with its own sampling settings and generator.
+    Shared times are split evenly over the requests.
+    """
+    d, cfg = prop.drafter, prop.cfg
+    t0 = time.perf_counter()
+    dev = d.fc.weight.device
+    b, nmax = len(reqs), max(ns)
+    states = [r.draft_state for r in reqs]
+    cap = max(s.pos.shape[0] for s in states)
+    kv = []
+    for l in range(cfg.num_layers):
+        k0 = states[0].k[l]
+        K = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        V = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        for j, s in enumerate(states):
+            c = s.pos.shape[0]
+            K[j, :, :c] = s.k[l]
+            V[j, :, :c] = s.v[l]
+        kv.append((K, V))
+    cpos = torch.full((b, cap), -1, dtype=torch.long, device=dev)
+    cvalid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+    for j, s in enumerate(states):
+        c = s.pos.shape[0]
+        cpos[j, :c], cvalid[j, :c] = s.pos, s.valid
+    a = torch.tensor([[r.anchor] for r in reqs], device=dev)
+    apos = torch.tensor([[p] for p in positions], device=dev)
+    out = d.forward_blocks(a, apos, kv, cpos, cvalid)
+    t1 = time.perf_counter()
+    res: list[Proposal] = []
+    if cfg.final_stage:
+        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
+        cand = candidates(d, x.reshape(b * nmax, -1), cfg.head_topk, cfg.coarse_k, prop.qhead)
+        cand = cand.reshape(b, nmax, -1)  # [b, nmax, K]
+        T = conditional_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
+                               a[:, 0], cand)  # [b, nmax, K, K]
+        t2 = time.perf_counter()
+        shared = (t2 - t1) / b
+        for j, r in enumerate(reqs):
+            tc = time.perf_counter()
+            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen)
+            res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
+                                final_s=shared + time.perf_counter() - tc))
+        return res
+    z = d.logits(out.h[:, 0, 1:nmax + 1]).float()  # [b, nmax, V]
+    for j, r in enumerate(reqs):
+        zj = z[j, : ns[j]]
+        if r.sampling.greedy:
+            res.append(Proposal(torch.argmax(zj, dim=-1).cpu()))
+        else:
+            q = filter_probs(zj, r.sampling).cpu()
+            toks = torch.tensor([sample_index(q[i], uniform(r.gen)) for i in range(ns[j])])
+            res.append(Proposal(toks, None, q))
+    share = (time.perf_counter() - t0) / b
+    for p in res:
+        p.draft_s = share
+    return res

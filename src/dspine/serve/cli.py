@@ -1,0 +1,87 @@
+"""``dspine serve``: OpenAI-compatible HTTP server with batched speculative decoding.
+
+Prints where it listens and what it serves, then serves until SIGINT/SIGTERM:
+new connections stop, running requests get up to ``--shutdown-timeout`` seconds to
+finish, the rest are cancelled and their state freed. Bad settings exit with code 2
+and a one-line error naming the setting (``--max-running`` above the validated 8,
+an unknown ``--mode``, a port that cannot be bound, ...).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def cmd_serve(args) -> int:
+    from ..batch import MAX_RUNNING_VALIDATED, BatchEngine
+    from ..cli import build_engine
+    from ..engine import EngineError
+    from .app import create_app
+    from .server import bind_socket, make_server
+
+    if not 1 <= args.max_running <= MAX_RUNNING_VALIDATED:
+        raise EngineError(f"--max-running {args.max_running} is outside the validated range "
+                          f"1..{MAX_RUNNING_VALIDATED} (at most {MAX_RUNNING_VALIDATED} concurrent requests "
+                          f"are validated, spec section 8)")
+    if args.max_queue < 0:
+        raise EngineError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.shutdown_timeout < 0:
+        raise EngineError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    sock = bind_socket(args.host, args.port)  # fail fast, before loading models
+    target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
+                                  args.seed, args.device)
+    batch = BatchEngine(engine, args.max_running)
+    name = args.served_model_name or args.target
+    drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
+    info = {"mode": args.mode, "target": args.target, "drafter": drafter, "dtype": args.dtype}
+    app = create_app(batch, name, args.max_queue, info)
+    port = sock.getsockname()[1]
+    print(f"dspine serve: listening on http://{args.host}:{port}", flush=True)
+    print(f"dspine serve: model '{name}' = target {args.target} ({target.num_layers} layers, vocab "
+          f"{target.vocab_size}, context {engine.max_positions}), mode {args.mode}, drafter {drafter}, "
+          f"dtype {args.dtype}, batched {'verification' if args.mode != 'ar' else 'decoding'} of up to "
+          f"{args.max_running} running requests, queue {args.max_queue}", flush=True)
+    print("dspine serve: endpoints POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
+          "GET /health, GET /metrics; Ctrl-C or SIGTERM stops gracefully", flush=True)
+    server = make_server(app, args.shutdown_timeout, args.log_level)
+    # uvicorn installs its own handlers while serving and re-raises the signal afterwards:
+    # make that re-raise a no-op so a graceful stop exits with code 0.
+    prev = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+    c = app.state.scheduler.counters()
+    print(f"dspine serve: stopped ({c['cycles']} cycles; running {c['running']}, queued {c['queued']})",
+          flush=True)
+    return 0
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server with batched speculative decoding")
+    p.add_argument("--target", default="smollm2-135m", help="target name, HF dir, .gguf, or random:<arch>")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")
+    p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--max-running", type=int, default=8, help="running requests batched per cycle (1..8)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which HTTP 429 is returned")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of a random drafter")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: --target)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGINT/SIGTERM")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_serve)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from ..cli import main
+    sys.exit(main(["serve"] + sys.argv[1:]))

@@ -1,0 +1,181 @@
+"""OpenAI-compatible request bodies (pydantic) and error bodies.
+
+Unknown extra fields are accepted and ignored (clients send e.g. ``user``); known
+fields are validated, and features this server does not offer (``n > 1``,
+``logprobs``, ``echo``, penalties, ``logit_bias``, ``best_of > 1``, ``suffix``) are
+refused with a 400 naming the field instead of being silently ignored.
+Extension: ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to
+the choice (non-streamed) or ``token_ids`` to each streamed chunk's choice.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    return_token_ids: bool = False  # extension (as in vLLM): token ids in each choice
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are supported")
+        if any(len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"stop sequences are limited to {MAX_STOP_LEN} characters")
+        return [s for s in stops if s]
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported (only 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported (n=1, no prompt batches)")
+            v = v[0]
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _max(self):
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def field_of(loc: tuple) -> str:
+    """Dotted field name of a pydantic error location, without 'body' and type tags."""
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # drop union-branch tags such as 'str', 'list[int]', 'function-after[...]'
+    keep = [p for p in parts if not (("[" in p and "]" in p) or p in ("str", "int", "float", "bool"))]
+    return ".".join(keep) or "body"

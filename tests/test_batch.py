@@ -1,0 +1,188 @@
+"""BatchEngine: batched verification with ragged accepted lengths (issue 6).
+
+Tiny random llama target (ByteTokenizer, float32); the reference is always the
+single-request engine (``Engine(target, None, "ar")`` for greedy).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.batch import BatchEngine
+from dspine.config import SamplingConfig
+from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.engine import Engine, EngineError
+from dspine.target import load_target
+
+PROMPTS = ["hello world", "a", "The quick brown fox jumps over", "xyz" * 9, "12", "foo bar baz", "q" * 40, "zz top"]
+LENS = [20, 33, 5, 28, 17, 1, 25, 40]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # tiny models: one intra-op thread is faster and does not fight other processes for cores
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return load_target("random:llama")
+
+
+@pytest.fixture(scope="module")
+def ar(target):
+    return Engine(target, None, "ar")
+
+
+@pytest.fixture(scope="module")
+def spec(target):
+    return Engine(target, DrafterProposer(random_drafter(target, "dspine", seed=0)), "dspine")
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    return [target.encode_prompt(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def ref_greedy(ar, prompts):
+    return [ar.generate(p, max_new_tokens=m) for p, m in zip(prompts, LENS)]
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's own greedy continuation (every proposal is accepted)."""
+
+    feature_layers = [0]
+    block_size = 16
+
+    def __init__(self, refs: dict[tuple, list[int]], wrong_every: int = 0):
+        self.refs, self.wrong_every = refs, wrong_every
+
+    def new_state(self, prompt_ids):
+        return {"seq": list(prompt_ids) + self.refs[tuple(prompt_ids)]}
+
+    def commit(self, state, features, start_pos):
+        pass
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
+        seq = state["seq"]
+        toks = [seq[anchor_pos + 1 + i] if anchor_pos + 1 + i < len(seq) else 1 for i in range(n)]
+        if self.wrong_every:  # ragged acceptance: break the block at a position that varies
+            k = (anchor_pos % self.wrong_every)
+            if k < n:
+                toks[k] = (toks[k] + 1) % 256 or 1
+        return Proposal(torch.tensor(toks, dtype=torch.long))
+
+
+@pytest.mark.parametrize("mode", ["dspine", "dflash", "ar"])
+def test_greedy_batched_equals_single_ar(target, prompts, ref_greedy, mode):
+    if mode == "ar":
+        eng = Engine(target, None, "ar")
+    else:
+        eng = Engine(target, DrafterProposer(random_drafter(target, mode, seed=1)), mode)
+    be = BatchEngine(eng, 8)
+    got = be.generate_many(prompts, max_new_tokens=LENS)
+    for r, g in zip(ref_greedy, got):
+        assert g.token_ids == r.token_ids
+        assert g.text == r.text and g.finish_reason == r.finish_reason
+    assert be.free_slots == 8 and be.cache_bytes() == 0 and be.kv.nbytes() == 0
+
+
+def test_ragged_acceptance_oracle(target, prompts, ref_greedy):
+    refs = {tuple(p): r.token_ids for p, r in zip(prompts, ref_greedy)}
+    eng = Engine(target, OracleProposer(refs, wrong_every=7), "dspine")
+    be = BatchEngine(eng, 8)
+    got = be.generate_many(prompts, max_new_tokens=LENS)
+    for r, g in zip(ref_greedy, got):
+        assert g.token_ids == r.token_ids
+    taus = [g.stats.accepted_length_mean for g in got if g.stats.cycles]
+    assert max(taus) > 2.0  # multi-token blocks were accepted, with ragged lengths
+    assert len({round(t, 3) for t in taus}) > 1
+
+
+def test_continuous_batching_with_fewer_slots_and_cancel(target, prompts, ref_greedy, spec):
+    be = BatchEngine(spec, 3)
+    reqs = {}
+    pending = list(range(len(prompts)))
+    cancelled = None
+    cycles = 0
+    while pending or be.running:
+        while pending and be.free_slots > 0:
+            i = pending.pop(0)
+            reqs[i] = be.add(prompts[i], None, LENS[i])
+        be.step()
+        cycles += 1
+        if cycles == 3 and cancelled is None:  # cancel one in the middle of the batch
+            r = next(r for r in be.running if r is not be.running[-1])
+            cancelled = next(i for i, q in reqs.items() if q is r)
+            be.remove(r, "cancelled")
+            assert r.finish_reason == "cancelled" and r.draft_state is None
+    for i, r in reqs.items():
+        if i == cancelled:
+            n = len(r.out_ids)
+            assert r.out_ids == ref_greedy[i].token_ids[:n]
+        else:
+            assert r.out_ids == ref_greedy[i].token_ids, i
+    assert cancelled is not None
+    assert be.free_slots == 3 and be.cache_bytes() == 0
+
+
+def test_sampled_reproducible_alone_and_in_batch(target, prompts, spec):
+    samp = [SamplingConfig(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i) for i in range(len(prompts))]
+    single = [spec.generate(p, s, m).token_ids for p, s, m in zip(prompts, samp, LENS)]
+    alone = [BatchEngine(spec, 8).generate_many([p], [s], [m])[0].token_ids
+             for p, s, m in zip(prompts[:3], samp[:3], LENS[:3])]
+    mixed_samp = [s if i % 2 == 0 else SamplingConfig() for i, s in enumerate(samp)]  # greedy + sampled
+    mixed = BatchEngine(spec, 8).generate_many(prompts, mixed_samp, LENS)
+    assert alone == single[:3]
+    for i, g in enumerate(mixed):
+        if i % 2 == 0:
+            assert g.token_ids == single[i]
+
+
+def test_stop_inside_accepted_block(target, prompts, ref_greedy, ar):
+    refs = {tuple(p): r.token_ids for p, r in zip(prompts, ref_greedy)}
+    # a 2-character stop string first occurring well inside a reference output
+    i, k = next((i, k) for i in sorted(range(len(prompts)), key=lambda i: -LENS[i])
+                for k in range(4, len(ref_greedy[i].text) - 2)
+                if "\ufffd" not in ref_greedy[i].text[k:k + 2]
+                and ref_greedy[i].text.find(ref_greedy[i].text[k:k + 2]) == k)
+    text = ref_greedy[i].text
+    stop = [text[k:k + 2]]
+    want = ar.generate(prompts[i], max_new_tokens=LENS[i], stop=stop)
+    eng = Engine(target, OracleProposer(refs), "dspine")
+    j = (i + 1) % len(prompts)
+    got = BatchEngine(eng, 8).generate_many([prompts[i], prompts[j]], max_new_tokens=[LENS[i], LENS[j]],
+                                            stop=[stop, None])
+    assert got[0].text == want.text == text[:k]
+    assert got[0].token_ids == want.token_ids and got[0].finish_reason == "stop"
+    assert got[0].stats.accepted_length_mean > 2.0  # the stop fell inside an accepted block
+    assert got[1].token_ids == ref_greedy[j].token_ids
+
+
+def test_sequential_fallback(target, prompts, ref_greedy, spec):
+    be = BatchEngine(spec, 4)
+    be.batched = False  # what non-attention (hybrid) targets get
+    got = be.generate_many(prompts[:4], max_new_tokens=LENS[:4])
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref_greedy[:4]]
+    assert be.cache_bytes() == 0
+
+
+def test_max_running_guard(spec):
+    with pytest.raises(EngineError, match="--max-running"):
+        BatchEngine(spec, 9)
+    with pytest.raises(EngineError, match="--max-running"):
+        BatchEngine(spec, 0)
+
+
+def test_invalid_request_does_not_join(spec):
+    be = BatchEngine(spec, 2)
+    with pytest.raises(EngineError):
+        be.add([], None, 4)
+    with pytest.raises(EngineError):
+        be.add([5, 6], None, 10**6)
+    assert be.free_slots == 2 and be.cache_bytes() == 0
