@@ -55,6 +55,36 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     return res
 
 
+def write_model_card(ckpt: str | Path) -> Path:
+    """Render ``README.md`` (the model card) of a checkpoint from its ``card.json``."""
+    ckpt = Path(ckpt)
+    c = json.loads((ckpt / "card.json").read_text())
+    cfg = json.loads((ckpt / "config.json").read_text())
+    acc = c.get("heldout_acceptance_greedy_fp32", {})
+    tc = c.get("train_config", {})
+    lines = [
+        f"# {c['target']} {c['mode']} drafter", "",
+        f"Drafter for target `{c['target']}` ({'DSpine: bridge + final stage, causal block' if cfg['bridge'] else 'DFlash-style: no bridge, no final stage, bidirectional block'}), "
+        f"block size {cfg['block_size']}, {cfg['num_layers']} layers, hidden {cfg['target_hidden']}, "
+        f"feature layers {cfg['feature_layers']}. Weights bf16 (`model.safetensors`), config in `config.json`.", "",
+        "## Training", "",
+        f"- data: {', '.join(map(str, c.get('data', [])))} — {c.get('data_sequences')} sequences, "
+        f"{c.get('data_response_tokens')} response tokens (target-regenerated responses plus "
+        "teacher-forcing text from training stdlib modules and ShareGPT; held-out sets excluded, see "
+        "`src/dspine/data/splits.json`)",
+        f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
+        f"max length {tc.get('max_len')}, lr {tc.get('lr')}, vocab subset {tc.get('vocab_subset')})",
+        f"- wall time: {c.get('wall_time_s')} s on {c.get('hardware')} (shared, loaded 2-core machine), "
+        f"world size {c.get('world_size')}",
+        "", "## Held-out acceptance (greedy, float32, engine loop)", "",
+        f"- code completion (held-out stdlib modules): tau = {acc.get('tau_code')} over {acc.get('n_code')} prompts",
+        f"- chat (held-out ShareGPT prompts): tau = {acc.get('tau_chat')} over {acc.get('n_chat')} prompts",
+        "", "tau counts tokens emitted per cycle, bonus/correction included (1.0 = nothing accepted).",
+        "Measure again with `dspine acceptance --drafter <this dir> --sets code chat`.", ""]
+    (ckpt / "README.md").write_text("\n".join(lines))
+    return ckpt / "README.md"
+
+
 def _drafter_config(args, target):
     from ..config import DSpineConfig, dflash_flags
 
@@ -112,6 +142,7 @@ def cmd_train(args) -> int:
                 "heldout_acceptance_greedy_fp32": acc,
                 "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (final / "card.json").write_text(json.dumps(card, indent=2))
+        write_model_card(final)
         print(json.dumps({"final": str(final), **acc}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
