@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..config import DSpineConfig
 from ..draft import check_fits_target, save_drafter
 from ..model import DSpineDrafter
-from .losses import collate, cosine_lr, drafter_losses, sample_anchors
+from .losses import collate, cosine_lr, drafter_losses, sample_anchors, weight_sum
 
 
 @dataclass
@@ -217,13 +217,20 @@ class Trainer:
             g["lr"] = lr
         seqs, idx = self.batch_for_step(self.step)
         batch = collate(seqs, tc.max_len)
-        gen = torch.Generator().manual_seed(tc.seed * 7919 + self.step * 31 + self.rank)
-        anchors = sample_anchors(batch, tc.anchors_per_seq, gen)
+        gen = torch.Generator().manual_seed(tc.seed * 7919 + self.step * 31)
+        u = torch.rand(tc.batch_size, tc.anchors_per_seq, generator=gen, dtype=torch.float64)
+        per = tc.batch_size // self.world
+        anchors = sample_anchors(batch, tc.anchors_per_seq, None, u[self.rank * per:(self.rank + 1) * per])
         feats = self.features(batch, idx)
+        denom = None
+        if self.world > 1:  # normalise by the global weight sum (exact data parallelism)
+            ws = torch.tensor([weight_sum(batch, anchors, self.cfg.block_size, tc.gamma)], dtype=torch.float64)
+            dist.all_reduce(ws)
+            denom = float(ws) / self.world
         self.model.train()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.autocast_bf16):
             losses = drafter_losses(self.model, feats, batch, anchors, tc.gamma,
-                                    None if self.subset is None else self.subset, tc.fs_weight)
+                                    None if self.subset is None else self.subset, tc.fs_weight, denom)
         self.opt.zero_grad(set_to_none=True)
         losses["loss"].backward()
         if self.world > 1:  # data parallel: average gradients over ranks (one flat all-reduce)

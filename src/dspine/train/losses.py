@@ -54,12 +54,17 @@ def collate(seqs: list[tuple[list[int], int]], max_len: int) -> Batch:
     return Batch(ids, valid, rs)
 
 
-def sample_anchors(batch: Batch, nb: int, gen: torch.Generator) -> torch.Tensor:
-    """Anchor positions [b, nb] int64, uniform over [resp_start, len-2] of each sequence."""
+def sample_anchors(batch: Batch, nb: int, gen: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
+    """Anchor positions [b, nb] int64, uniform over [resp_start, len-2] of each sequence.
+
+    ``u`` [b, nb] float64 uniforms may be given instead of ``gen`` (data parallel: the
+    global batch's draws are sliced per rank so anchors do not depend on the rank).
+    """
     lens = batch.valid.sum(1)  # [b]
     lo = batch.resp_start.clamp_min(1)  # anchors need at least one context position
     hi = (lens - 2).clamp_min(lo)
-    u = torch.rand(batch.ids.shape[0], nb, generator=gen, dtype=torch.float64)
+    if u is None:
+        u = torch.rand(batch.ids.shape[0], nb, generator=gen, dtype=torch.float64)
     return (lo[:, None] + (u * (hi - lo + 1)[:, None]).floor().long()).clamp(max=hi[:, None])
 
 
@@ -73,6 +78,12 @@ def block_labels(batch: Batch, anchors: torch.Tensor, B: int) -> torch.Tensor:
     return torch.where(ok, g, torch.full_like(g, -100))
 
 
+def weight_sum(batch: Batch, anchors: torch.Tensor, B: int, gamma: float) -> float:
+    """Sum of row weights over supervised rows of a batch (the CE normaliser)."""
+    ok = block_labels(batch, anchors, B)[:, :, 1:] >= 0
+    return float((row_weights(B, gamma) * ok).sum())
+
+
 def row_weights(B: int, gamma: float, device=None) -> torch.Tensor:
     """Weights [B-1] = exp(-(k-1)/gamma) for rows k = 1..B-1 (spec section 9)."""
     k = torch.arange(1, B, device=device, dtype=torch.float32)
@@ -81,12 +92,14 @@ def row_weights(B: int, gamma: float, device=None) -> torch.Tensor:
 
 def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, anchors: torch.Tensor,
                    gamma: float, vocab_subset: torch.Tensor | None = None,
-                   fs_weight: float = 1.0) -> dict[str, torch.Tensor]:
+                   fs_weight: float = 1.0, denom: float | None = None) -> dict[str, torch.Tensor]:
     """Losses for one batch.
 
     feats [b, T, F*d] target features; anchors [b, nb]. Returns a dict with ``loss``
     (scalar to backprop), ``ce``, ``fs`` (final-stage CE, 0 without final stage),
     ``acc1`` (row-1 top-1 accuracy of the continuous logits) and ``rows``.
+    ``denom`` overrides the weight normaliser (data parallel: global weight sum / world
+    size, so averaged gradients equal those of one process over the global batch).
     """
     cfg = drafter.cfg
     B = cfg.block_size
@@ -111,19 +124,20 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
     ok = tgt >= 0
     ce_rows = Fn.cross_entropy(z.float().reshape(-1, z.shape[-1]), tgt.reshape(-1), ignore_index=-100,
                                reduction="none").view_as(tgt)
-    wsum = (w * ok).sum().clamp_min(1.0)
+    wsum = (w * ok).sum().clamp_min(1.0) if denom is None else torch.tensor(max(denom, 1e-6))
     ce = (ce_rows * w * ok).sum() / wsum
     with torch.no_grad():
         acc1 = ((z[:, :, 0].argmax(-1) == tgt[:, :, 0]) & ok[:, :, 0]).sum() / ok[:, :, 0].sum().clamp_min(1)
     fs = torch.zeros((), device=dev)
     if cfg.final_stage:
-        fs = final_stage_loss(drafter, out, z.detach(), tgt, labels, x0, Hs, w, ok, cfg.head_topk)
+        fs = final_stage_loss(drafter, out, z.detach(), tgt, labels, x0, Hs, w, ok, cfg.head_topk, wsum)
     return {"loss": ce + fs_weight * fs, "ce": ce.detach(), "fs": fs.detach(), "acc1": acc1,
             "rows": ok.sum()}
 
 
 def final_stage_loss(drafter: DSpineDrafter, out, z: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
-                     x0: torch.Tensor, Hs: torch.Tensor, w: torch.Tensor, ok: torch.Tensor, K: int) -> torch.Tensor:
+                     x0: torch.Tensor, Hs: torch.Tensor, w: torch.Tensor, ok: torch.Tensor, K: int,
+                     wsum: torch.Tensor | None = None) -> torch.Tensor:
     """K-way CE over ``T_i[u*, S_i]`` (spec sections 4 and 9).
 
     z [b, nb, B-1, Vs] detached continuous logits (candidate choice); tgt: labels in
@@ -143,7 +157,7 @@ def final_stage_loss(drafter: DSpineDrafter, out, z: torch.Tensor, tgt: torch.Te
     hv = Hs[cand].to(hu.dtype)  # [b, nb, B-1, K, d]
     scores = torch.einsum("bnid,bnikd->bnik", drafter.norm_f(hu), hv).float()
     ce = Fn.cross_entropy(scores.reshape(-1, K), pos_in.reshape(-1), reduction="none").view_as(pos_in)
-    return (ce * w * ok).sum() / (w * ok).sum().clamp_min(1.0)
+    return (ce * w * ok).sum() / ((w * ok).sum().clamp_min(1.0) if wsum is None else wsum)
 
 
 def cosine_lr(step: int, total: int, warmup: int, base: float, floor: float = 0.1) -> float:
