@@ -117,6 +117,13 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # ru_maxrss is KiB on Linux
 
 
+def _features(out, k: int) -> torch.Tensor:
+    """Features [k, F*d] of the first k positions of a forward; [k, 0] when none were captured."""
+    if out.features is None:
+        return torch.zeros(k, 0)
+    return out.features[0, :k]
+
+
 class Engine:
     """Speculative decoding engine over one target and an optional proposer.
 
@@ -138,7 +145,10 @@ class Engine:
             raise EngineError(f"--mode {mode} needs a drafter")
         self.target, self.proposer, self.mode = target, (proposer if mode != "ar" else None), mode
         self.verify_policy = verify_policy
-        self.feature_layers = list(getattr(proposer, "feature_layers", [])) if self.proposer else None
+        # target feature layers the proposer reads; None (no capture) for ``ar`` and for
+        # proposers without features (oracles in tests), which then get [n, 0] features
+        fl = list(getattr(self.proposer, "feature_layers", None) or []) if self.proposer else []
+        self.feature_layers = fl if fl and getattr(self.proposer, "needs_features", True) else None
         self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30))
 
     # -- request lifecycle -------------------------------------------------------------
@@ -169,7 +179,7 @@ class Engine:
         out = self.target.forward(ids, req.cache, self.feature_layers, logits_to_keep=1)
         req.cache.rollback(len(prompt_ids))
         if self.proposer is not None:
-            self.proposer.commit(req.draft_state, out.features[0], 0)
+            self.proposer.commit(req.draft_state, _features(out, len(prompt_ids)), 0)
         first = sample_token(out.logits[0, -1], sampling, req.gen)
         req.t_first = time.perf_counter()
         self._emit(req, [first])
@@ -209,12 +219,17 @@ class Engine:
         else:
             verdict = verify(prop.tokens, prop.q_probs, prop.q_ids, logits, req.sampling, req.gen)
         a = verdict.accepted
-        # commit: the anchor and the accepted proposals enter the caches; nothing else
-        req.cache.rollback(pos + a + 1)
+        new = [int(t) for t in prop.tokens[:a]] + [verdict.token]
+        emitted = self._emit(req, new)  # EOS, a stop string or max_new_tokens may cut `new`
+        # commit: the anchor and the emitted accepted proposals enter the caches, except the
+        # last emitted token (never fed to the target, as in the plain loop); nothing
+        # rejected and nothing past a stop (spec s.5)
+        keep = 1 + min(a, len(emitted) - 1)
+        req.cache.rollback(pos + keep)
         t2 = time.perf_counter()
         commit_s = 0.0
         if self.proposer is not None:
-            self.proposer.commit(req.draft_state, out.features[0, : a + 1], pos)
+            self.proposer.commit(req.draft_state, _features(out, keep), pos)
             commit_s = time.perf_counter() - t2
         for k in range(n):
             if len(req.drafted_at) <= k:
@@ -222,10 +237,9 @@ class Engine:
                 req.accepted_at.append(0)
             req.drafted_at[k] += 1
             req.accepted_at[k] += int(k < a)
-        new = [int(t) for t in prop.tokens[:a]] + [verdict.token]
         req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s,
                                       (t2 - t1), time.perf_counter() - t0))
-        return self._emit(req, new)
+        return emitted
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
         """Append tokens, enforcing EOS, stop strings and max_new_tokens."""

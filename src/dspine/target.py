@@ -222,10 +222,10 @@ class Target:
         out = self.model(input_ids=input_ids.to(self.device),
                          past_key_values=None if cache is None else cache.kv,
                          use_cache=cache is not None,
-                         output_hidden_states=feature_layers is not None,
+                         output_hidden_states=bool(feature_layers),
                          logits_to_keep=logits_to_keep)
         feats = None
-        if feature_layers is not None:
+        if feature_layers:
             hs = out.hidden_states
             feats = torch.cat([hs[l + 1] for l in feature_layers], dim=-1)  # [b, n, F*d]
         return TargetOutput(logits=out.logits.float(), features=feats)
@@ -263,7 +263,9 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
         model = model.to(device=device, dtype=dt)
         return Target(model, ByteTokenizer(vocab_size), name=name_or_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar on every start
     path = Path(resolved)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(device)
