@@ -1,0 +1,163 @@
+"""Shared fixtures and helper proposers for the runtime tests.
+
+Fixtures:
+    smol     -- the real default target (SmolLM2-135M, float32), loaded once per session.
+    tiny     -- a seeded random:llama target (vocab 8, hidden 64, 4 layers) whose
+                next-token distributions are far from uniform; EOS switched off so
+                every output has the requested length (distribution tests).
+    tiny256  -- a seeded random:llama target with the default byte vocabulary (256).
+    one_thread -- runs a test with ``torch.set_num_threads(1)`` and restores the previous
+                value afterwards. Our modules opt in with ``pytestmark``; it is *not*
+                autouse. On this 2-core machine, shared with other jobs, two OpenMP
+                threads per process make small matmuls 10-25x slower (spin contention).
+
+Helper proposers (all subclasses of :class:`dspine.draft.Proposer`):
+    OracleProposer       -- proposes the target's own greedy continuation (from a plain
+                            ``Engine(target, None, "ar")`` run), q = point mass.
+    AlwaysWrongProposer  -- proposes ``(oracle + 1) % V``: never the target's argmax.
+    MixedProposer        -- per cycle c: the first ``c % block_size`` proposals are the
+                            oracle's, the rest wrong; records what it proposed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.config import SamplingConfig
+from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.engine import Engine
+from dspine.target import load_target
+
+# -- targets -------------------------------------------------------------------------------
+
+TINY_VOCAB = 8
+TINY_SEED = 0
+
+
+@pytest.fixture
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The real default target (float32), loaded once."""
+    return load_target("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """random:llama, vocab 8, EOS off (every sampled sequence has the full length)."""
+    t = load_target("random:llama", vocab_size=TINY_VOCAB, seed=TINY_SEED)
+    t.eos_token_ids = frozenset()
+    return t
+
+
+@pytest.fixture(scope="session")
+def tiny256():
+    """random:llama with the byte vocabulary (256), EOS = 0 as shipped."""
+    return load_target("random:llama", vocab_size=256, seed=1)
+
+
+# -- greedy continuations ------------------------------------------------------------------
+
+_AR_CACHE: dict = {}
+
+
+def ar_continuation(target, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation of ``prompt_ids`` by the plain ``ar`` engine (EOS ignored).
+
+    Cached per (target, prompt, length). EOS is switched off for the run so the
+    continuation always has ``max_new_tokens`` tokens (an oracle must be able to
+    propose past an EOS when a test moves the EOS id).
+    """
+    key = (id(target), tuple(prompt_ids), max_new_tokens)
+    if key not in _AR_CACHE:
+        saved = target.eos_token_ids
+        target.eos_token_ids = frozenset()
+        try:
+            res = Engine(target, None, "ar").generate(list(prompt_ids), SamplingConfig(), max_new_tokens)
+        finally:
+            target.eos_token_ids = saved
+        assert len(res.token_ids) == max_new_tokens
+        _AR_CACHE[key] = res.token_ids
+    return _AR_CACHE[key]
+
+
+class _State:
+    def __init__(self, prompt_ids):
+        self.prompt_len = len(prompt_ids)
+        self.cycles = 0
+        self.proposed: list[list[int]] = []
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's greedy continuation (computed once with the ``ar`` engine).
+
+    The proposal for the block after the anchor at absolute position ``pos`` is
+    ``cont[pos - P + 1 : pos - P + 1 + n]`` where P is the prompt length (the anchor is
+    output token ``pos - P``). Past the precomputed continuation it proposes token 0.
+    With sampling, q is a point mass on the proposal (a valid q: the proposal is a
+    deterministic function of the past).
+    """
+
+    def __init__(self, target, prompt_ids: list[int], block_size: int, horizon: int = 64):
+        self.target = target
+        self.block_size = block_size
+        self.vocab = target.vocab_size
+        self.prompt = list(prompt_ids)
+        self.cont = ar_continuation(target, self.prompt, horizon)
+
+    def new_state(self, prompt_ids):
+        assert list(prompt_ids) == self.prompt, "oracle built for another prompt"
+        return _State(prompt_ids)
+
+    def oracle_tokens(self, state, anchor_pos: int, n: int) -> list[int]:
+        k = anchor_pos - state.prompt_len + 1
+        return [self.cont[j] if j < len(self.cont) else 0 for j in range(k, k + n)]
+
+    def tokens(self, state, anchor_pos: int, n: int) -> list[int]:
+        return self.oracle_tokens(state, anchor_pos, n)
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
+        toks = self.tokens(state, anchor_pos, n)
+        state.cycles += 1
+        state.proposed.append(toks)
+        t = torch.tensor(toks, dtype=torch.long)
+        if sampling.greedy:
+            return Proposal(t)
+        return Proposal(t, t[:, None].clone(), torch.ones(n, 1, dtype=torch.float64))
+
+
+class AlwaysWrongProposer(OracleProposer):
+    """Proposes ``(oracle + 1) % V``: never the target's greedy token."""
+
+    def tokens(self, state, anchor_pos, n):
+        return [(t + 1) % self.vocab for t in self.oracle_tokens(state, anchor_pos, n)]
+
+
+class MixedProposer(OracleProposer):
+    """Cycle c proposes ``c % block_size`` oracle tokens, then wrong ones."""
+
+    def tokens(self, state, anchor_pos, n):
+        good = state.cycles % self.block_size
+        ora = self.oracle_tokens(state, anchor_pos, n)
+        return [t if i < good else (t + 1) % self.vocab for i, t in enumerate(ora)]
+
+
+def random_proposer(target, mode: str, block_size: int, **overrides) -> DrafterProposer:
+    """The untrained (seeded) DSpine / DFlash-style drafter for ``target``."""
+    return DrafterProposer(random_drafter(target, mode=mode, block_size=block_size, **overrides))
+
+
+def run_cycles(engine: Engine, prompt_ids, sampling=None, max_new_tokens=32, stop=None):
+    """Drive ``engine`` with start/step; returns the finished Request (cycle records kept)."""
+    req = engine.start(list(prompt_ids), sampling or SamplingConfig(), max_new_tokens, stop)
+    while not req.finished:
+        engine.step(req)
+    return req

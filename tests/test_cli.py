@@ -1,0 +1,175 @@
+"""``dspine generate``: bad settings exit 2 with a one-line error naming the setting;
+``--json`` prints text, token_ids, mode and stats.
+
+Most cases call ``dspine.cli.main`` in-process (fast); one runs ``python -m dspine.cli``
+in a subprocess to check the real exit status and stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from dspine.cli import main
+from dspine.draft import random_drafter, save_drafter
+from dspine.engine import GenerationStats
+from dspine.target import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CLI_TARGET = "random:llama"  # what the CLI loads: vocab 256, hidden 64, seed 0
+
+
+def cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_error(code, err, *needles):
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("dspine: error:")
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Saved random drafters: a good one for the CLI target (block 16, DSpine and DFlash),
+    and ones for other random targets (vocabulary 128; hidden 32)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    target = load_target(CLI_TARGET)
+    paths = {
+        "good": save_drafter(random_drafter(target, "dspine", 16), root / "good"),
+        "dflash": save_drafter(random_drafter(target, "dflash", 16), root / "dflash"),
+        "vocab128": save_drafter(random_drafter(load_target(CLI_TARGET, vocab_size=128), "dspine", 16),
+                                 root / "vocab128"),
+        "hidden32": save_drafter(random_drafter(load_target(CLI_TARGET, hidden_size=32, intermediate_size=64),
+                                                "dspine", 16), root / "hidden32"),
+    }
+    return {k: str(v) for k, v in paths.items()}
+
+
+def _gen(*extra):
+    return ["generate", "hello world", "--target", CLI_TARGET, "--max-new-tokens", "12", *extra]
+
+
+def test_unknown_target_subprocess():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "dspine.cli", "generate", "hi", "--target", "no-such-model-xyz",
+                        "--mode", "ar"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r
+    assert_error(2, r.stderr, "no-such-model-xyz")
+    assert r.stdout == ""
+
+
+def test_unknown_target_in_process(capsys):
+    code, out, err = cli(capsys, "generate", "hi", "--target", "no-such-model-xyz", "--mode", "ar")
+    assert_error(code, err, "no-such-model-xyz", "unknown target")
+    code, out, err = cli(capsys, "generate", "hi", "--target", "random:gpt9", "--mode", "ar")
+    assert_error(code, err, "gpt9")
+
+
+def test_vocab_mismatch(capsys, ckpts):
+    code, out, err = cli(capsys, *_gen("--drafter", ckpts["vocab128"], "--mode", "dspine"))
+    assert_error(code, err, "vocabulary", "128", "256")
+
+
+def test_hidden_mismatch(capsys, ckpts):
+    code, out, err = cli(capsys, *_gen("--drafter", ckpts["hidden32"], "--mode", "dspine"))
+    assert_error(code, err, "hidden size", "32", "64")
+
+
+def test_block_size_mismatch(capsys, ckpts):
+    code, out, err = cli(capsys, *_gen("--drafter", ckpts["good"], "--block-size", "8", "--mode", "dspine"))
+    assert_error(code, err, "--block-size 8", "block size 16")
+
+
+def test_mode_mismatch(capsys, ckpts):
+    code, out, err = cli(capsys, *_gen("--drafter", ckpts["dflash"], "--mode", "dspine"))
+    assert_error(code, err, "--mode dspine", "dflash")
+
+
+def test_missing_and_corrupt_weights(capsys, ckpts, tmp_path):
+    missing = tmp_path / "missing"
+    shutil.copytree(ckpts["good"], missing)
+    (missing / "model.safetensors").unlink()
+    code, out, err = cli(capsys, *_gen("--drafter", str(missing), "--mode", "dspine"))
+    assert_error(code, err, "model.safetensors", "missing")
+
+    garbage = tmp_path / "garbage"
+    shutil.copytree(ckpts["good"], garbage)
+    (garbage / "model.safetensors").write_bytes(b"\x07not a safetensors file\xff" * 64)
+    code, out, err = cli(capsys, *_gen("--drafter", str(garbage), "--mode", "dspine"))
+    assert_error(code, err, "model.safetensors", "corrupt")
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(ckpts["good"], truncated)
+    f = truncated / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, out, err = cli(capsys, *_gen("--drafter", str(truncated), "--mode", "dspine"))
+    assert_error(code, err, "model.safetensors")
+
+    nocfg = tmp_path / "nocfg"
+    shutil.copytree(ckpts["good"], nocfg)
+    (nocfg / "config.json").unlink()
+    code, out, err = cli(capsys, *_gen("--drafter", str(nocfg), "--mode", "dspine"))
+    assert_error(code, err, "config.json")
+
+    code, out, err = cli(capsys, *_gen("--drafter", str(tmp_path / "nowhere"), "--mode", "dspine"))
+    assert_error(code, err, "nowhere")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--min-p", "1.5"], "min_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--mode", "medusa"], "medusa"),
+])
+def test_bad_settings(capsys, args, needle):
+    code, out, err = cli(capsys, *_gen("--drafter", "random", *args))
+    assert_error(code, err, needle)
+
+
+def test_generate_json(capsys, ckpts):
+    stat_keys = {f.name for f in fields(GenerationStats)}
+    results = {}
+    for mode, drafter in (("ar", []), ("dspine", ["--drafter", "random"]), ("dflash", ["--drafter", "random"]),
+                          ("dspine", ["--drafter", ckpts["good"]])):
+        code, out, err = cli(capsys, *_gen("--mode", mode, "--json", *drafter))
+        assert code == 0, err
+        obj = json.loads(out)
+        assert {"text", "token_ids", "mode", "stats"} <= set(obj)
+        assert obj["mode"] == mode
+        assert isinstance(obj["text"], str)
+        assert set(obj["stats"]) == stat_keys
+        st = obj["stats"]
+        ids = obj["token_ids"]
+        assert 1 <= len(ids) <= 12 and all(isinstance(i, int) and 0 <= i < 256 for i in ids)
+        assert st["output_tokens"] == len(ids)
+        assert st["cycles"] == len(st["verification_lengths"])
+        assert st["prompt_tokens"] == len("hello world".encode())
+        assert st["peak_memory_bytes"] > 0 and st["total_s"] >= st["decode_s"] >= 0
+        if mode != "ar":
+            assert st["cycles"] >= 1 and st["accepted_length_mean"] >= 1.0
+        results[(mode, len(drafter) and drafter[1])] = ids
+    # lossless through the CLI too: every greedy mode prints the ar token ids
+    assert len({tuple(v) for v in results.values()}) == 1, results
+
+
+def test_generate_streams_text(capsys):
+    code, out, err = cli(capsys, *_gen("--mode", "dspine", "--drafter", "random"))
+    assert code == 0
+    code2, out2, _ = cli(capsys, *_gen("--mode", "ar", "--json"))
+    assert out == json.loads(out2)["text"] + "\n"
+    assert "[dspine]" in err and "tau" in err
