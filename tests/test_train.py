@@ -12,7 +12,9 @@ from dspine.config import DSpineConfig
 from dspine.draft import DrafterError, load_drafter
 from dspine.target import load_target
 from dspine.train.loop import TrainConfig, Trainer
-from dspine.train.losses import block_labels, collate, drafter_losses, row_weights, sample_anchors
+from dspine.train.losses import block_labels, collate, row_weights, sample_anchors
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _seqs(n=8, length=48, vocab=256, seed=0):
