@@ -18,16 +18,6 @@ from dspine.cli import main
 from dspine.config import SamplingConfig
 
 
-@pytest.fixture
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def tiny_target():
     """random:llama with the byte vocabulary (a private copy: tests here swap runners)."""
