@@ -120,3 +120,15 @@ def test_two_process_training_matches_one_process(tmp_path):
     # the step really changed the weights (the comparison is not vacuous)
     fresh = Trainer(tg, _cfg(tg), _seqs(length=40), tmp_path / "fresh", _tc(steps=3)).model.state_dict()
     assert any(not torch.allclose(fresh[k], single[k]) for k in single)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_training_runs_on_hybrid_targets(tmp_path, arch):
+    """Smoke: features come from Gated-DeltaNet hybrids like from dense targets (issue 5)."""
+    tg = load_target(f"random:{arch}", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(n=4, length=40), tmp_path, _tc(steps=2, batch_size=2, max_len=40))
+    rec = [tr.train_step() for _ in range(2)]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) and r["fs"] > 0 for r in rec)
+    assert any(not torch.equal(p, q) for p, q in zip(
+        tr.model.state_dict().values(),
+        Trainer(tg, _cfg(tg), _seqs(n=4, length=40), tmp_path / "b", _tc()).model.state_dict().values()))

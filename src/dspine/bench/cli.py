@@ -94,7 +94,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="drafter for both speculative modes: 'random' or a directory")
     p.add_argument("--drafter-dspine", default=None, help="dspine checkpoint dir or 'random' (default: shipped)")
     p.add_argument("--drafter-dflash", default=None, help="dflash checkpoint dir or 'random' (default: shipped)")
-    p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16; smoke 4)")
+    p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
     p.add_argument("--pld-tokens", type=int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
     p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools or all")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per workload")

@@ -93,11 +93,11 @@ class BenchConfig:
 
 def smoke_config(**overrides) -> BenchConfig:
     """The ``--smoke`` run: real default target, 1 prompt per workload, 16 new tokens,
-    greedy, ar + dspine + dflash (random drafters at block size 4 when none is shipped)
-    + hf-pld, one thread."""
+    greedy, ar + dspine + dflash (the shipped drafters at their block size; random ones at
+    block size 16 when none is shipped) + hf-pld, one thread."""
     base = dict(modes=("ar", "dspine", "dflash", "hf-pld"), limit=1, max_new_tokens=16,
                 settings=(GREEDY,), repeats=1, warmup=1, warmup_tokens=4, context_tokens=512,
-                threads=1, block_size=4, request_timeout_s=60.0, smoke=True)
+                threads=1, block_size=None, request_timeout_s=60.0, smoke=True)
     base.update(overrides)
     return BenchConfig(**base)
 
