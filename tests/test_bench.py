@@ -282,3 +282,20 @@ def test_smoke_cli(tmp_path):
     assert all(g["failures"] == 0 for g in s["results"])
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
     assert wall < 300, f"smoke took {wall:.0f}s"
+
+
+def test_verify_policy_reaches_the_drafter_modes(tmp_path, one_thread):
+    """--verify-policy cost is applied to dflash/dspine (not ar) and recorded per row."""
+    import json
+
+    out = tmp_path / "pol"
+    assert main(["bench", "--target", "random:llama", "--drafter", "random", "--modes", "ar,dspine",
+                 "--workloads", "short", "--limit", "1", "--max-new-tokens", "6", "--settings", "greedy",
+                 "--repeats", "1", "--warmup", "1", "--threads", "1", "--out", str(out), "--no-progress",
+                 "--no-plots", "--verify-policy", "cost"]) == 0
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    pol = {r["mode"]: r["mode_info"]["verify_policy"] for r in rows}
+    assert pol == {"ar": "fixed", "dspine": "cost"}
+    ar_ids = [r["output_ids"] for r in rows if r["mode"] == "ar" and not r["warmup"]]
+    sp_ids = [r["output_ids"] for r in rows if r["mode"] == "dspine" and not r["warmup"]]
+    assert ar_ids == sp_ids  # still lossless with the dynamic verification length

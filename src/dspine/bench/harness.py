@@ -71,6 +71,7 @@ class BenchConfig:
     drafters: dict = field(default_factory=dict)  # mode -> checkpoint dir | "random"
     block_size: int | None = None  # random drafters only
     pld_tokens: int = 10
+    verify_policy: str = "fixed"  # verification-length policy of the drafter modes
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
     max_new_tokens: int | None = None
@@ -267,7 +268,8 @@ class Harness:
             raise UnfairComparisonError(f"the preloaded target ({target.name}, {target.dtype}) is not the "
                                         f"configured one ({cfg.target}, {cfg.dtype})")
         self.target = target if target is not None else load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
-        self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens)
+        self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,
+                                    cfg.verify_policy)
                         for m in cfg.modes}
         self.check_setup()
         self.env = environment(self.target, cfg)

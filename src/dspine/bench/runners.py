@@ -176,7 +176,8 @@ class EngineRunner(Runner):
             self.engine = Engine(target, DrafterProposer(model), mode)
 
     def info(self) -> dict:
-        d = {"mode": self.mode, "block_size": self.block_size, "drafter": self.drafter_path}
+        d = {"mode": self.mode, "block_size": self.block_size, "drafter": self.drafter_path,
+             "verify_policy": getattr(self, "verify_policy", "fixed")}
         if self.mode != "ar":
             c = self.drafter_cfg
             d.update(drafter_dtype=str(next(self.engine.proposer.drafter.parameters()).dtype).replace("torch.", ""),
@@ -394,10 +395,16 @@ class HFRunner(Runner):
 
 
 def make_runner(target, mode: str, drafters: dict, block_size: int | None, seed: int,
-                pld_tokens: int) -> Runner:
+                pld_tokens: int, verify_policy: str = "fixed") -> Runner:
     """The runner of ``mode`` over ``target`` (drafters: mode -> path | 'random')."""
     if mode in ENGINE_MODES:
-        return EngineRunner(target, mode, drafters.get(mode), block_size, seed)
+        r = EngineRunner(target, mode, drafters.get(mode), block_size, seed)
+        if mode != "ar" and verify_policy != "fixed":
+            from ..policy import make_policy
+
+            r.engine.verify_policy = make_policy(verify_policy, target, r.engine.proposer)
+        r.verify_policy = verify_policy if mode != "ar" else "fixed"
+        return r
     if mode in HF_MODES:
         return HFRunner(target, mode, pld_tokens)
     raise ValueError(f"--modes: {mode!r} is unknown; accepted: {', '.join(ALL_MODES)}")
