@@ -404,12 +404,7 @@ class BatchEngine:
                 f = feats[i, : a + 1] if feats is not None else torch.zeros(a + 1, 0)  # feature-less proposers
                 eng.proposer.commit(req.draft_state, f, starts[i])
                 commit_s = time.perf_counter() - tv
-            for k in range(n):
-                if len(req.drafted_at) <= k:
-                    req.drafted_at.append(0)
-                    req.accepted_at.append(0)
-                req.drafted_at[k] += 1
-                req.accepted_at[k] += int(k < a)
+            req.count_acceptance(n, a)
             new = [int(t) for t in p.tokens[:a]] + [verdict.token]
             # per-request record: its own draft/final, the shared forward + its verify
             req.cycles.append(CycleRecord(n, a + 1, p.draft_s + commit_s, p.final_s,

@@ -94,6 +94,15 @@ class Request:
     t_first: float = 0.0
     t_end: float = 0.0
 
+    def count_acceptance(self, n: int, a: int) -> None:
+        """Record a cycle that drafted ``n`` positions and accepted the first ``a``."""
+        for k in range(n):
+            if len(self.drafted_at) <= k:
+                self.drafted_at.append(0)
+                self.accepted_at.append(0)
+            self.drafted_at[k] += 1
+            self.accepted_at[k] += int(k < a)
+
     @property
     def position(self) -> int:
         """Absolute position of the anchor (= committed target positions)."""
@@ -231,12 +240,7 @@ class Engine:
         if self.proposer is not None:
             self.proposer.commit(req.draft_state, _features(out, keep), pos)
             commit_s = time.perf_counter() - t2
-        for k in range(n):
-            if len(req.drafted_at) <= k:
-                req.drafted_at.append(0)
-                req.accepted_at.append(0)
-            req.drafted_at[k] += 1
-            req.accepted_at[k] += int(k < a)
+        req.count_acceptance(n, a)
         req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s,
                                       (t2 - t1), time.perf_counter() - t0))
         return emitted
