@@ -78,6 +78,23 @@ def test_resume_refuses_other_config(tmp_path):
         other.resume()
 
 
+def test_init_from_warm_starts_and_refuses_other_config(tmp_path):
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "a", _tc(steps=3))
+    tr.run()
+    src = tmp_path / "a" / "ckpt"
+    warm = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "b", _tc(steps=1, lr=0.0, warmup=1))
+    warm.run(init_from=src)  # lr 0: weights stay those of the source checkpoint
+    ref = load_drafter(src, tg).state_dict()
+    got = warm.model.state_dict()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert warm.step == 1  # a fresh optimizer and step count
+    other = Trainer(tg, _cfg(tg, "dflash"), _seqs(), tmp_path / "c", _tc(steps=1))
+    with pytest.raises(DrafterError, match="init-from .*differs.*bridge"):
+        other.run(init_from=src)
+    assert not (tmp_path / "c" / "ckpt").exists()  # nothing left behind as if trained
+
+
 def test_checkpoint_from_other_target_refused(tmp_path):
     tg = load_target("random:llama", vocab_size=256)
     tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc())

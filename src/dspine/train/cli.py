@@ -74,6 +74,9 @@ def write_model_card(ckpt: str | Path) -> Path:
         "`src/dspine/data/splits.json`)",
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
         f"max length {tc.get('max_len')}, lr {tc.get('lr')}, vocab subset {tc.get('vocab_subset')})",
+        *([f"- warm-started from `{c['init_from']}` ({c.get('parent_steps')} steps); "
+           f"{c.get('total_steps')} steps and {c.get('total_wall_time_s')} s of training in all"]
+          if c.get("init_from") else []),
         f"- wall time: {c.get('wall_time_s')} s on {c.get('hardware')} (shared, loaded 2-core machine), "
         f"world size {c.get('world_size')}",
         "", "## Held-out acceptance (greedy, float32, engine loop)", "",
@@ -96,6 +99,18 @@ def _drafter_config(args, target):
     d.update(dflash_flags() if args.mode == "dflash" else {"bridge": True, "final_stage": True,
                                                              "block_causal": True, "mode": "dspine"})
     return DSpineConfig.from_dict(d)
+
+
+def _warm_start_fields(init_from, steps: int, wall: float) -> dict:
+    """Card fields for a warm-started run: the parent card and cumulative steps/wall time."""
+    if not init_from:
+        return {}
+    from ..draft import read_card
+
+    parent = read_card(init_from)
+    return {"init_from": str(init_from), "parent_steps": parent.get("steps"),
+            "total_steps": steps + int(parent.get("total_steps") or parent.get("steps") or 0),
+            "total_wall_time_s": round(wall + float(parent.get("total_wall_time_s") or parent.get("wall_time_s") or 0), 1)}
 
 
 def cmd_train(args) -> int:
@@ -125,7 +140,7 @@ def cmd_train(args) -> int:
 
     tr = Trainer(target, cfg, seqs, out, tc, eval_fn=eval_fn)
     t0 = time.time()
-    tr.run(resume=args.resume)
+    tr.run(resume=args.resume, init_from=args.init_from)
     if rank == 0:
         final = out / "final"
         save_drafter(tr.model, final, dtype=torch.bfloat16)
@@ -140,6 +155,7 @@ def cmd_train(args) -> int:
                 "hardware": f"{platform.machine()} {torch.get_num_threads()} threads, "
                             f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
                 "heldout_acceptance_greedy_fp32": acc,
+                **_warm_start_fields(args.init_from, tr.step, tr.wall),
                 "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (final / "card.json").write_text(json.dumps(card, indent=2))
         write_model_card(final)
@@ -187,6 +203,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=4)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init-from", default=None,
+                   help="warm-start weights from a drafter checkpoint dir (same config); ignored on --resume")
     p.set_defaults(func=cmd_train)
 
     a = sub.add_parser("acceptance", help="held-out acceptance length of a drafter (engine loop)")

@@ -152,6 +152,24 @@ class Trainer:
         self.step, self.wall, self.subset = st["step"], st.get("wall", 0.0), st["subset"]
         return True
 
+    def init_from(self, path: str | Path) -> None:
+        """Warm-start the weights from a drafter checkpoint directory (fresh optimizer).
+
+        Raises:
+            DrafterError: unreadable checkpoint, or one whose config differs from this
+                run's (other mode, sizes, block size or feature layers).
+        """
+        from ..draft import DrafterError, load_drafter
+
+        src = load_drafter(path, self.target, dtype=torch.float32)
+        if src.cfg != self.cfg:
+            diff = [k for k, v in asdict(self.cfg).items() if asdict(src.cfg).get(k) != v]
+            raise DrafterError(f"--init-from {path}: checkpoint config differs from this run's in {diff}")
+        self.model.load_state_dict(src.state_dict())
+        if self.world > 1:
+            for p in self.model.parameters():
+                dist.broadcast(p.data, 0)
+
     def log(self, rec: dict) -> None:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -251,10 +269,17 @@ class Trainer:
         return {"step": self.step, "lr": lr, "loss": float(losses["loss"].detach()), "ce": float(losses["ce"]),
                 "fs": float(losses["fs"]), "acc1": float(losses["acc1"]), "grad_norm": float(gn)}
 
-    def run(self, resume: bool = False) -> Path:
-        """Train to ``tc.steps``; saves every ``save_every`` steps and at the end."""
-        if resume and self.resume() and self.rank == 0:
+    def run(self, resume: bool = False, init_from: str | Path | None = None) -> Path:
+        """Train to ``tc.steps``; saves every ``save_every`` steps and at the end.
+
+        ``resume`` continues ``out/ckpt`` when present; otherwise ``init_from`` (a drafter
+        checkpoint directory) warm-starts the weights.
+        """
+        resumed = resume and self.resume()
+        if resumed and self.rank == 0:
             print(f"resumed from step {self.step}")
+        if not resumed and init_from:
+            self.init_from(init_from)
         tc = self.tc
         bar = tqdm(total=tc.steps, initial=self.step, desc=f"train {self.cfg.mode}", disable=self.rank != 0)
         while self.step < tc.steps:
