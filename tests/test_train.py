@@ -149,3 +149,31 @@ def test_training_runs_on_hybrid_targets(tmp_path, arch):
     assert any(not torch.equal(p, q) for p, q in zip(
         tr.model.state_dict().values(),
         Trainer(tg, _cfg(tg), _seqs(n=4, length=40), tmp_path / "b", _tc()).model.state_dict().values()))
+
+
+def test_feature_store_matches_online_features_and_refuses_other_data(tmp_path):
+    from dspine.train.feature_store import FeatureStore, FeatureStoreError, build_feature_store
+
+    tg = load_target("random:llama", vocab_size=256)
+    seqs = _seqs(n=6)
+    seqs = seqs + seqs[:2]  # a data directory listed twice is stored once
+    cfg = _cfg(tg)
+    for k in range(2):  # two shards, as two processes would write them
+        build_feature_store(tg, cfg.feature_layers, seqs, 48, tmp_path / "fs", k, 2, batch_size=3, progress=False)
+    store = FeatureStore(tmp_path / "fs", tg, cfg.feature_layers, seqs, 48)
+    assert len(store) == 6 and all(i in store for i in range(8))
+    tc = _tc(feature_dtype="bfloat16")
+    online = Trainer(tg, cfg, seqs, tmp_path / "a", tc)
+    stored = Trainer(tg, cfg, seqs, tmp_path / "b", tc, feature_store=store)
+    batch_seqs, idx = online.batch_for_step(0)
+    b = collate(batch_seqs, 48)
+    f_online, f_store = online.features(b, idx), stored.features(b, idx)
+    assert f_online.shape == f_store.shape
+    assert torch.allclose(f_online, f_store, atol=0.05, rtol=0.02)  # bf16 rows, batch-shape numerics
+    assert torch.equal(store.get(6), store.get(0))
+    with pytest.raises(FeatureStoreError, match="fingerprint"):
+        FeatureStore(tmp_path / "fs", tg, cfg.feature_layers, _seqs(n=6, seed=1), 48)
+    with pytest.raises(FeatureStoreError, match="feature_layers"):
+        FeatureStore(tmp_path / "fs", tg, [0], seqs, 48)
+    with pytest.raises(FeatureStoreError, match="no store.json"):
+        FeatureStore(tmp_path / "nothing", tg, cfg.feature_layers, seqs, 48)

@@ -114,7 +114,6 @@ def _warm_start_fields(init_from, steps: int, wall: float) -> dict:
 
 
 def cmd_train(args) -> int:
-    from ..data.build import load_dataset
     from ..draft import save_drafter
     from ..target import load_target
     from .loop import TrainConfig, Trainer, init_distributed
@@ -123,10 +122,7 @@ def cmd_train(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype="float32")
-    data = [s for d in args.data for s in load_dataset(d, target)]
-    seqs = [(s.input_ids, s.response_start) for s in data if len(s.input_ids) - s.response_start >= 2]
-    if not seqs:
-        raise ValueError(f"--data {args.data}: no usable sequences (need responses of >= 2 tokens)")
+    seqs = _training_seqs(args.data, target)
     cfg = _drafter_config(args, target)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                      max_len=args.max_len, lr=args.lr, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
@@ -138,7 +134,14 @@ def cmd_train(args) -> int:
     def eval_fn(model):
         return measure_acceptance(target, model, n=args.eval_prompts, max_new_tokens=48)
 
-    tr = Trainer(target, cfg, seqs, out, tc, eval_fn=eval_fn)
+    store = None
+    if args.feature_store:
+        from .feature_store import FeatureStore
+
+        store = FeatureStore(args.feature_store, target, cfg.feature_layers, seqs, tc.max_len)
+        if rank == 0:
+            print(f"feature store {args.feature_store}: {len(store)}/{len(seqs)} sequences precomputed")
+    tr = Trainer(target, cfg, seqs, out, tc, eval_fn=eval_fn, feature_store=store)
     t0 = time.time()
     tr.run(resume=args.resume, init_from=args.init_from)
     if rank == 0:
@@ -162,6 +165,38 @@ def cmd_train(args) -> int:
         print(json.dumps({"final": str(final), **acc}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    return 0
+
+
+def _training_seqs(data_dirs, target):
+    from ..data.build import load_dataset
+
+    data = [s for d in data_dirs for s in load_dataset(d, target)]
+    seqs = [(s.input_ids, s.response_start) for s in data if len(s.input_ids) - s.response_start >= 2]
+    if not seqs:
+        raise ValueError(f"--data {data_dirs}: no usable sequences (need responses of >= 2 tokens)")
+    return seqs
+
+
+def cmd_train_features(args) -> int:
+    from ..target import load_target
+    from .feature_store import build_feature_store
+
+    try:
+        k, n = (int(x) for x in args.shard.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        raise ValueError(f"--shard must be k/N with 0 <= k < N, got {args.shard!r}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype="float32")
+    layers = args.feature_layers or target.default_feature_layers(5)
+    bad = [l for l in layers if not 0 <= l < target.num_layers]
+    if bad:
+        raise ValueError(f"--feature-layers {bad} do not exist in target {target.name!r} ({target.num_layers} layers)")
+    seqs = _training_seqs(args.data, target)
+    wrote = build_feature_store(target, layers, seqs, args.max_len, args.out, k, n, args.batch_size)
+    print(json.dumps({"out": args.out, "shard": args.shard, "written": wrote, "sequences": len(seqs)}))
     return 0
 
 
@@ -205,7 +240,21 @@ def add_train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default=None,
                    help="warm-start weights from a drafter checkpoint dir (same config); ignored on --resume")
+    p.add_argument("--feature-store", default=None,
+                   help="precomputed target features (`dspine train-features`) for exactly this --data/--max-len")
     p.set_defaults(func=cmd_train)
+
+    f = sub.add_parser("train-features", help="precompute target features of a training set (shared by runs)")
+    f.add_argument("--target", default="smollm2-135m")
+    f.add_argument("--data", required=True, nargs="+", help="same --data list as the `dspine train` runs")
+    f.add_argument("--out", required=True)
+    f.add_argument("--max-len", type=int, default=384)
+    f.add_argument("--feature-layers", type=int, nargs="+", default=None,
+                   help="default: the target's default feature layers (as `dspine train --config small`)")
+    f.add_argument("--shard", default="0/1", help="k/N: this process computes sequences i %% N == k")
+    f.add_argument("--batch-size", type=int, default=4)
+    f.add_argument("--threads", type=int, default=0)
+    f.set_defaults(func=cmd_train_features)
 
     a = sub.add_parser("acceptance", help="held-out acceptance length of a drafter (engine loop)")
     a.add_argument("--target", default="smollm2-135m")

@@ -90,10 +90,12 @@ class Trainer:
         seqs: list of (token ids, response start) training sequences.
         out_dir: checkpoints (``ckpt/``), ``metrics.jsonl`` and the final export.
         eval_fn: optional ``(drafter) -> dict`` of held-out acceptance metrics.
+        feature_store: optional :class:`dspine.train.feature_store.FeatureStore` with
+            precomputed features of ``seqs`` (read instead of running the target).
     """
 
     def __init__(self, target, drafter_cfg: DSpineConfig, seqs, out_dir: str | Path, tc: TrainConfig,
-                 eval_fn=None, data_meta: dict | None = None):
+                 eval_fn=None, data_meta: dict | None = None, feature_store=None):
         check_fits_target(drafter_cfg, target, where="train")
         if not seqs:
             raise ValueError("training data holds no sequences")
@@ -116,6 +118,7 @@ class Trainer:
                        if 0 < tc.vocab_subset < drafter_cfg.vocab_size else None)
         self.data_meta = data_meta or {}
         self.memo: dict[int, torch.Tensor] = {}
+        self.feature_store = feature_store  # optional FeatureStore (precomputed features)
         self.wall = 0.0
 
     # -- checkpoints ------------------------------------------------------------------
@@ -209,7 +212,9 @@ class Trainer:
             self.target.model.to(fdt)
             self.target.dtype = fdt
         T = batch.ids.shape[1]
-        todo = [j for j, i in enumerate(idx) if not (tc.memo_features and i in self.memo)]
+        store = self.feature_store
+        todo = [j for j, i in enumerate(idx)
+                if not ((tc.memo_features and i in self.memo) or (store is not None and i in store))]
         fresh = {}
         if todo:
             ids, valid = batch.ids[todo], batch.valid[todo]
@@ -223,7 +228,7 @@ class Trainer:
                     self.memo[idx[j]] = f[k][: int(valid[k].sum())].clone()
         rows = []
         for j, i in enumerate(idx):
-            x = fresh[j] if j in fresh else self.memo[i]
+            x = fresh[j] if j in fresh else (self.memo[i] if i in self.memo else store.get(i))
             pad = T - x.shape[0]
             rows.append(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad > 0 else x[:T])
         return torch.stack(rows).float()
