@@ -33,7 +33,9 @@ class EngineError(ValueError):
 
 @dataclass
 class CycleRecord:
-    """One cycle: verification length n, tokens emitted (accepted + 1), times (s)."""
+    """One cycle: verification length n, acceptance length ``emitted`` = accepted + 1
+    (bonus/correction included; tokens that an EOS or a stop string cuts afterwards still
+    count, as acceptance is a property of the drafter, not of the stop), times (s)."""
 
     n: int
     emitted: int
