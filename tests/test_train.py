@@ -93,6 +93,14 @@ def test_init_from_warm_starts_and_refuses_other_config(tmp_path):
     with pytest.raises(DrafterError, match="init-from .*differs.*bridge"):
         other.run(init_from=src)
     assert not (tmp_path / "c" / "ckpt").exists()  # nothing left behind as if trained
+    with pytest.raises(DrafterError, match="^--init-from .*no config.json"):
+        other.run(init_from=tmp_path / "nope")
+    # the warm-start source survives --resume (the model card names the real parent)
+    again = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "b", _tc(steps=1))
+    assert again.resume() and again.init_source == str(src)
+    fresh = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "d", _tc(steps=1))
+    fresh.run()
+    assert fresh.init_source is None
 
 
 def test_checkpoint_from_other_target_refused(tmp_path):
@@ -161,7 +169,7 @@ def test_feature_store_matches_online_features_and_refuses_other_data(tmp_path):
     for k in range(2):  # two shards, as two processes would write them
         build_feature_store(tg, cfg.feature_layers, seqs, 48, tmp_path / "fs", k, 2, batch_size=3, progress=False)
     store = FeatureStore(tmp_path / "fs", tg, cfg.feature_layers, seqs, 48)
-    assert len(store) == 6 and all(i in store for i in range(8))
+    assert len(store) == 8 and len(store.index) == 6 and all(i in store for i in range(8))
     tc = _tc(feature_dtype="bfloat16")
     online = Trainer(tg, cfg, seqs, tmp_path / "a", tc)
     stored = Trainer(tg, cfg, seqs, tmp_path / "b", tc, feature_store=store)
@@ -177,3 +185,42 @@ def test_feature_store_matches_online_features_and_refuses_other_data(tmp_path):
         FeatureStore(tmp_path / "fs", tg, [0], seqs, 48)
     with pytest.raises(FeatureStoreError, match="no store.json"):
         FeatureStore(tmp_path / "nothing", tg, cfg.feature_layers, seqs, 48)
+
+
+def test_feature_store_damage_is_detected_or_repaired(tmp_path):
+    import json as _json
+
+    from dspine.train.feature_store import FeatureStore, FeatureStoreError, build_feature_store
+
+    tg = load_target("random:llama", vocab_size=256)
+    seqs, cfg = _seqs(n=6), _cfg(tg)
+    fs = tmp_path / "fs"
+    build_feature_store(tg, cfg.feature_layers, seqs, 48, fs, progress=False)
+    idx, binf = fs / "shard-0.idx.jsonl", fs / "shard-0.bin"
+    good_idx, good_bin = idx.read_bytes(), binf.read_bytes()
+    ref = FeatureStore(fs, tg, cfg.feature_layers, seqs, 48).get(5)
+    # a torn last index line (crash while appending): ignored when reading, dropped and
+    # recomputed on resume, with the rows it described
+    lines = good_idx.splitlines(keepends=True)
+    idx.write_bytes(b"".join(lines[:-1]) + lines[-1][:9])
+    assert len(FeatureStore(fs, tg, cfg.feature_layers, seqs, 48)) == 5
+    assert build_feature_store(tg, cfg.feature_layers, seqs, 48, fs, progress=False) == 1
+    st = FeatureStore(fs, tg, cfg.feature_layers, seqs, 48)
+    assert len(st) == 6 and torch.equal(st.get(5), ref)
+    # a shard file shorter than its index: refused, never zero-filled
+    idx.write_bytes(good_idx)
+    binf.write_bytes(good_bin[: len(good_bin) // 2])
+    with pytest.raises(FeatureStoreError, match="past the end"):
+        FeatureStore(fs, tg, cfg.feature_layers, seqs, 48)
+    with pytest.raises(FeatureStoreError, match="shorter"):
+        build_feature_store(tg, cfg.feature_layers, seqs, 48, fs, progress=False)
+    assert binf.stat().st_size == len(good_bin) // 2  # nothing was padded
+    binf.write_bytes(good_bin)
+    # index records that do not fit the data
+    for bad in ({"i": 0, "offset": 0, "len": 5}, {"i": 55, "offset": 0, "len": 48}):
+        idx.write_bytes(good_idx + (_json.dumps(bad) + "\n").encode())
+        with pytest.raises(FeatureStoreError, match="corrupt store"):
+            FeatureStore(fs, tg, cfg.feature_layers, seqs, 48)
+    with pytest.raises(ValueError, match="max-len"):
+        build_feature_store(tg, cfg.feature_layers, seqs, 0, tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()

@@ -187,8 +187,10 @@ def save_drafter(drafter: DSpineDrafter, out_dir: str | Path, dtype: torch.dtype
 
 
 def load_drafter(path: str | Path, target=None, dtype: torch.dtype = torch.float32,
-                 block_size: int | None = None) -> DSpineDrafter:
+                 block_size: int | None = None, option: str = "--drafter") -> DSpineDrafter:
     """Load and validate a checkpoint directory against ``target`` (if given).
+
+    ``option`` is the command-line setting named in error messages.
 
     Raises:
         DrafterError: missing/corrupt file, a tensor whose shape differs from the
@@ -200,32 +202,32 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype = torch.float
 
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise DrafterError(f"--drafter {path}: no config.json (expected a directory with "
+        raise DrafterError(f"{option} {path}: no config.json (expected a directory with "
                            f"config.json and model.safetensors)")
     if not (p / "model.safetensors").is_file():
-        raise DrafterError(f"--drafter {path}: model.safetensors is missing")
+        raise DrafterError(f"{option} {path}: model.safetensors is missing")
     try:
         cfg = DSpineConfig.load(p)
     except ConfigError as e:
-        raise DrafterError(f"--drafter {path}: {e}") from None
+        raise DrafterError(f"{option} {path}: {e}") from None
     if block_size is not None and block_size != cfg.block_size:
         raise DrafterError(f"--block-size {block_size} differs from the checkpoint's block size "
                            f"{cfg.block_size}; a drafter runs only at its trained block size")
     if target is not None:
-        check_fits_target(cfg, target, where=f"--drafter {path}")
+        check_fits_target(cfg, target, where=f"{option} {path}")
     try:
         sd = load_file(str(p / "model.safetensors"))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise DrafterError(f"--drafter {path}: model.safetensors is corrupt or unreadable ({e})") from None
+        raise DrafterError(f"{option} {path}: model.safetensors is corrupt or unreadable ({e})") from None
     model = DSpineDrafter(cfg)
     want = model.state_dict()
     missing = sorted(set(want) - set(sd))
     unexpected = sorted(set(sd) - set(want))
     if missing or unexpected:
-        raise DrafterError(f"--drafter {path}: tensors missing {missing[:5]} / unexpected {unexpected[:5]}")
+        raise DrafterError(f"{option} {path}: tensors missing {missing[:5]} / unexpected {unexpected[:5]}")
     for k, v in want.items():
         if tuple(sd[k].shape) != tuple(v.shape):
-            raise DrafterError(f"--drafter {path}: tensor {k} has shape {tuple(sd[k].shape)}, "
+            raise DrafterError(f"{option} {path}: tensor {k} has shape {tuple(sd[k].shape)}, "
                                f"config expects {tuple(v.shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
     model = model.to(dtype)

@@ -138,6 +138,9 @@ def cmd_train(args) -> int:
     if args.feature_store:
         from .feature_store import FeatureStore
 
+        if tc.feature_dtype != "bfloat16":
+            raise ValueError(f"--feature-store holds bfloat16 features; --feature-dtype {tc.feature_dtype} "
+                             f"cannot apply to them (drop one of the two options)")
         store = FeatureStore(args.feature_store, target, cfg.feature_layers, seqs, tc.max_len)
         if rank == 0:
             print(f"feature store {args.feature_store}: {len(store)}/{len(seqs)} sequences precomputed")
@@ -158,7 +161,7 @@ def cmd_train(args) -> int:
                 "hardware": f"{platform.machine()} {torch.get_num_threads()} threads, "
                             f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
                 "heldout_acceptance_greedy_fp32": acc,
-                **_warm_start_fields(args.init_from, tr.step, tr.wall),
+                **_warm_start_fields(tr.init_source, tr.step, tr.wall),
                 "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (final / "card.json").write_text(json.dumps(card, indent=2))
         write_model_card(final)
@@ -182,11 +185,15 @@ def cmd_train_features(args) -> int:
     from ..target import load_target
     from .feature_store import build_feature_store
 
-    try:
-        k, n = (int(x) for x in args.shard.split("/"))
-        assert 0 <= k < n
-    except (ValueError, AssertionError):
-        raise ValueError(f"--shard must be k/N with 0 <= k < N, got {args.shard!r}") from None
+    parts = args.shard.split("/")
+    ok = len(parts) == 2 and all(x.strip().isdigit() for x in parts)
+    k, n = (int(x) for x in parts) if ok else (0, 0)
+    if not (ok and 0 <= k < n):
+        raise ValueError(f"--shard must be k/N with 0 <= k < N, got {args.shard!r}")
+    if args.max_len < 4 or args.batch_size < 1:
+        raise ValueError(f"--max-len must be >= 4 and --batch-size >= 1, got {args.max_len} and {args.batch_size}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a directory")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype="float32")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -52,12 +53,56 @@ def _meta(target, feature_layers, seqs, max_len: int) -> dict:
             "n_seqs": len(seqs), "fingerprint": data_fingerprint(seqs, max_len)}
 
 
+def _diff(have: dict, want: dict) -> str:
+    return ", ".join(f"{k} {have.get(k)!r} != {want[k]!r}" for k in want if have.get(k) != want[k])
+
+
+def _read_json(f: Path) -> dict:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise FeatureStoreError(f"{f}: unreadable ({e}); the store is corrupt, rebuild it in a new directory") from None
+
+
+def read_index(idx: Path, n_seqs: int, lengths: list[int] | None = None) -> tuple[list[dict], int]:
+    """Records of one shard index and the byte length of its intact part.
+
+    A torn last line (a crash while appending) is ignored: the rows it describes are
+    not indexed, so they are recomputed. Any other bad line, an ``i`` outside the data
+    or a ``len`` different from the sequence's (truncated) length raises.
+
+    Raises:
+        FeatureStoreError: naming the file and line.
+    """
+    recs = []
+    raw = idx.read_bytes()
+    *complete, tail = raw.split(b"\n")  # a non-empty tail has no newline: a torn append
+    for ln, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            i, off, n = int(r["i"]), int(r["offset"]), int(r["len"])
+        except (ValueError, KeyError, TypeError):
+            raise FeatureStoreError(f"{idx}: line {ln} is not an index record (corrupt store)") from None
+        if not 0 <= i < n_seqs or off < 0 or n <= 0:
+            raise FeatureStoreError(f"{idx}: line {ln} indexes sequence {i} at offset {off}, length {n}; "
+                                    f"the data has {n_seqs} sequences (corrupt store)")
+        if lengths is not None and n != lengths[i]:
+            raise FeatureStoreError(f"{idx}: line {ln}: sequence {i} has {lengths[i]} tokens, the index says "
+                                    f"{n} (corrupt store)")
+        recs.append({"i": i, "offset": off, "len": n})
+    good = len(raw) - len(tail)
+    return recs, good
+
+
 class FeatureStore:
     """Read access to a feature store built for exactly these sequences.
 
     Raises:
-        FeatureStoreError: missing ``store.json``, or a store built for another
-            target, feature layers, max_len or data (fingerprint mismatch).
+        FeatureStoreError: missing or unreadable ``store.json``, a store built for
+            another target, feature layers, max_len or data (fingerprint mismatch), or
+            an index that does not fit its shard file or the data (corrupt store).
     """
 
     def __init__(self, path: str | Path, target, feature_layers, seqs, max_len: int):
@@ -65,13 +110,13 @@ class FeatureStore:
         f = self.path / "store.json"
         if not f.is_file():
             raise FeatureStoreError(f"--feature-store {path}: no store.json (build it with `dspine train-features`)")
-        have = json.loads(f.read_text())
+        have = _read_json(f)
         want = _meta(target, feature_layers, seqs, max_len)
-        diff = [k for k in want if have.get(k) != want[k]]
-        if diff:
-            raise FeatureStoreError(f"--feature-store {path} was built for other settings: "
-                                    + ", ".join(f"{k} {have.get(k)!r} != {want[k]!r}" for k in diff))
+        if _diff(have, want):
+            raise FeatureStoreError(f"--feature-store {path} was built for other settings: {_diff(have, want)}")
         self.width = want["width"]
+        self.n_seqs = len(seqs)
+        self.lengths = [min(len(s), max_len) for s, _ in seqs]
         self.index: dict[int, tuple[int, int, int]] = {}  # seq -> (shard, offset rows, len)
         self.maps: dict[int, np.memmap] = {}
         self.canon = canonical_indices(seqs, max_len)
@@ -83,10 +128,8 @@ class FeatureStore:
             k = int(idx.name.split("-")[1].split(".")[0])
             binf = self.path / f"shard-{k}.bin"
             rows = binf.stat().st_size // (2 * self.width) if binf.exists() else 0
-            for line in idx.read_text().splitlines():
-                if not line.strip():
-                    continue
-                r = json.loads(line)
+            recs, _ = read_index(idx, self.n_seqs, self.lengths)
+            for r in recs:
                 if r["offset"] + r["len"] > rows:
                     raise FeatureStoreError(f"{binf}: index points past the end of the file (corrupt store)")
                 self.index[r["i"]] = (k, r["offset"], r["len"])
@@ -97,7 +140,8 @@ class FeatureStore:
         return self.canon[i] in self.index
 
     def __len__(self) -> int:
-        return len(self.index)
+        """Number of sequences of the data (duplicates included) whose features are stored."""
+        return sum(c in self.index for c in self.canon)
 
     def get(self, i: int) -> torch.Tensor:
         """Features of sequence ``i`` [len, F*d] bfloat16 (a copy out of the map)."""
@@ -111,34 +155,60 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
                         num_shards: int = 1, batch_size: int = 4, progress: bool = True) -> int:
     """Compute features of the sequences ``i % num_shards == shard`` into ``out``.
 
-    Resumable: sequences already indexed are skipped. Returns the number written now.
-    The target runs in bfloat16 with the same forward as online training features
-    (teacher forcing, ``hidden_states[l + 1]`` of each feature layer).
+    Resumable: sequences already indexed in any shard are skipped (so the shard count
+    may change between runs); a torn index tail or rows written after the last indexed
+    sequence are dropped. Returns the number of sequences written now. The target runs
+    in bfloat16 with the same forward as online training features (teacher forcing,
+    ``hidden_states[l + 1]`` of each feature layer).
+
+    Raises:
+        ValueError: ``max_len`` < 4, ``batch_size`` < 1, bad shard, or ``out`` is a file.
+        FeatureStoreError: ``out`` holds a store for other settings, or a corrupt one
+            (an index pointing past the end of its shard file).
     """
     from ..data.build import cpu_speed_patches
     from .losses import collate
 
+    if max_len < 4:
+        raise ValueError(f"--max-len must be >= 4, got {max_len}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if not (num_shards >= 1 and 0 <= shard < num_shards):
+        raise ValueError(f"--shard must be k/N with 0 <= k < N, got {shard}/{num_shards}")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
     meta = _meta(target, feature_layers, seqs, max_len)
     sf = out / "store.json"
     if sf.exists():
-        have = json.loads(sf.read_text())
+        have = _read_json(sf)
         if have != meta:
-            raise FeatureStoreError(f"{out}: holds a store for other settings; use a new directory")
+            raise FeatureStoreError(f"{out} holds a store for other settings ({_diff(have, meta)}); "
+                                    f"use a new directory")
     else:
-        tmp = out / "store.json.tmp"
+        tmp = out / f"store.json.{os.getpid()}.tmp"  # shards may start at once: no shared tmp name
         tmp.write_text(json.dumps(meta, indent=1))
         tmp.replace(sf)
+    lengths = [min(len(s), max_len) for s, _ in seqs]
+    done = set()
+    for other in out.glob("shard-*.idx.jsonl"):
+        if other.name != f"shard-{shard}.idx.jsonl":
+            done |= {r["i"] for r in read_index(other, len(seqs), lengths)[0]}
     idxf, binf = out / f"shard-{shard}.idx.jsonl", out / f"shard-{shard}.bin"
-    done, rows = set(), 0
+    rows = 0
     if idxf.exists():
-        for line in idxf.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done.add(r["i"])
-                rows = max(rows, r["offset"] + r["len"])
-    if binf.exists() and binf.stat().st_size != rows * 2 * meta["width"]:
+        recs, good = read_index(idxf, len(seqs), lengths)
+        if good < idxf.stat().st_size:
+            with open(idxf, "r+b") as f:  # drop a torn tail
+                f.truncate(good)
+        done |= {r["i"] for r in recs}
+        rows = max([r["offset"] + r["len"] for r in recs], default=0)
+    have_bytes = binf.stat().st_size if binf.exists() else 0
+    if have_bytes < rows * 2 * meta["width"]:
+        raise FeatureStoreError(f"{binf} is shorter ({have_bytes} bytes) than its index says "
+                                f"({rows * 2 * meta['width']} bytes): corrupt store, rebuild it in a new directory")
+    if have_bytes > rows * 2 * meta["width"]:
         with open(binf, "r+b") as f:  # drop rows written after the last indexed sequence
             f.truncate(rows * 2 * meta["width"])
     canon = canonical_indices(seqs, max_len)

@@ -119,6 +119,7 @@ class Trainer:
         self.data_meta = data_meta or {}
         self.memo: dict[int, torch.Tensor] = {}
         self.feature_store = feature_store  # optional FeatureStore (precomputed features)
+        self.init_source: str | None = None  # checkpoint the weights were warm-started from
         self.wall = 0.0
 
     # -- checkpoints ------------------------------------------------------------------
@@ -131,7 +132,8 @@ class Trainer:
         tmp.mkdir(parents=True, exist_ok=True)
         save_drafter(self.model, tmp, dtype=torch.float32)
         torch.save({"opt": self.opt.state_dict(), "step": self.step, "wall": self.wall,
-                    "subset": self.subset, "train_config": asdict(self.tc)}, tmp / "trainer.pt")
+                    "subset": self.subset, "train_config": asdict(self.tc),
+                    "init_source": self.init_source}, tmp / "trainer.pt")
         if ck.exists():
             import shutil
             shutil.rmtree(ck)
@@ -153,6 +155,7 @@ class Trainer:
         st = torch.load(ck / "trainer.pt", weights_only=False)
         self.opt.load_state_dict(st["opt"])
         self.step, self.wall, self.subset = st["step"], st.get("wall", 0.0), st["subset"]
+        self.init_source = st.get("init_source")
         return True
 
     def init_from(self, path: str | Path) -> None:
@@ -164,11 +167,12 @@ class Trainer:
         """
         from ..draft import DrafterError, load_drafter
 
-        src = load_drafter(path, self.target, dtype=torch.float32)
+        src = load_drafter(path, self.target, dtype=torch.float32, option="--init-from")
         if src.cfg != self.cfg:
             diff = [k for k, v in asdict(self.cfg).items() if asdict(src.cfg).get(k) != v]
             raise DrafterError(f"--init-from {path}: checkpoint config differs from this run's in {diff}")
         self.model.load_state_dict(src.state_dict())
+        self.init_source = str(path)
         if self.world > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
