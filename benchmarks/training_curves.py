@@ -1,0 +1,73 @@
+"""Training curves of the shipped drafters: DSpine vs DFlash-style, same data and steps.
+
+Reads the ``metrics.jsonl`` that ``dspine train`` writes (one record per 10 steps:
+``ce`` = position-decayed cross-entropy of rows 1..B-1, ``fs`` = final-stage K-way
+CE (DSpine only), ``acc1`` = row-1 top-1 accuracy of the continuous logits on the
+training batch) and plots moving averages against the training step. Copies the
+metrics next to the plot so the figure can be redrawn from the repository.
+
+    python benchmarks/training_curves.py --run dspine=runs/dspine --run dflash=runs/dflash \
+        --out benchmarks/training
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+
+def _load(path: Path) -> list[dict]:
+    return [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip()) if "ce" in r]
+
+
+def _smooth(xs: list[float], k: int = 10) -> list[float]:
+    out, acc = [], []
+    for x in xs:
+        acc.append(x)
+        acc = acc[-k:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="append", required=True, help="NAME=RUN_DIR (holds metrics.jsonl)")
+    ap.add_argument("--out", default="benchmarks/training")
+    ap.add_argument("--step-offset", type=int, default=0, help="steps trained before these runs (warm start)")
+    args = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for spec in args.run:
+        name, run = spec.split("=", 1)
+        src = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+        if src.resolve() != (out / f"{name}.metrics.jsonl").resolve():
+            shutil.copyfile(src, out / f"{name}.metrics.jsonl")
+        rs = _load(src)
+        steps = [r["step"] + args.step_offset for r in rs]
+        (line,) = a1.plot(steps, _smooth([r["ce"] for r in rs]), label=f"{name} CE rows 1..15")
+        if any(r.get("fs", 0) for r in rs):
+            a1.plot(steps, _smooth([r["fs"] for r in rs]), "--", color=line.get_color(),
+                    label=f"{name} final-stage CE")
+        a2.plot(steps, _smooth([r["acc1"] for r in rs]), color=line.get_color(), label=name)
+    a1.set_xlabel("training step")
+    a1.set_ylabel("loss (nats, moving avg of 10 logs)")
+    a1.legend()
+    a2.set_xlabel("training step")
+    a2.set_ylabel("row-1 top-1 accuracy (training batches)")
+    a2.legend()
+    fig.suptitle("smollm2-135m drafters: same data, steps and compute")
+    fig.tight_layout()
+    fig.savefig(out / "training_curves.png", dpi=110)
+    print(out / "training_curves.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
