@@ -72,7 +72,7 @@ def write_model_card(ckpt: str | Path) -> Path:
         f"{c.get('data_response_tokens')} response tokens (target-regenerated responses plus "
         "teacher-forcing text from training stdlib modules and ShareGPT; held-out sets excluded, see "
         "`src/dspine/data/splits.json`)",
-        *([f"- data built with: `{cmd}`" for cmd in c.get("data_commands", [])]),
+        *([f"- ran: `{cmd}`" for cmd in c.get("data_commands", [])]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
         f"max length {tc.get('max_len')}, lr {tc.get('lr')}, vocab subset {tc.get('vocab_subset')})",
         *([f"- warm-started from `{c['init_from']}` ({c.get('parent_steps')} steps); "
