@@ -191,10 +191,6 @@ def cmd_train_features(args) -> int:
     k, n = (int(x) for x in parts) if ok else (0, 0)
     if not (ok and 0 <= k < n):
         raise ValueError(f"--shard must be k/N with 0 <= k < N, got {args.shard!r}")
-    if args.max_len < 4 or args.batch_size < 1:
-        raise ValueError(f"--max-len must be >= 4 and --batch-size >= 1, got {args.max_len} and {args.batch_size}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a file, not a directory")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype="float32")
