@@ -163,6 +163,29 @@ def test_build_writes_shards_manifest_and_resumes(tiny, tmp_path):
     assert s.response_start == len(row["prompt_ids"])
 
 
+def test_build_shards_are_disjoint_and_cover_the_stream(tiny, tmp_path):
+    src = str(_prompts(tmp_path / "a.jsonl", 7))
+    ids = []
+    for k in range(3):
+        man = B.build_dataset(tiny, [src], tmp_path / f"s{k}", max_new_tokens=3, batch_size=2,
+                              shard=(k, 3), progress=False)
+        assert man["complete"] and man["shard"] == f"{k}/3"
+        got = sorted(r["id"] for r in _rows(tmp_path / f"s{k}"))
+        assert got == sorted(f"q{i}" for i in range(k, 7, 3))  # positions i % 3 == k
+        ids += got
+    assert sorted(ids) == sorted(f"q{i}" for i in range(7))
+    # a sharded build keeps its shard: resuming with another one is refused, nothing written
+    before = _rows(tmp_path / "s1")
+    with pytest.raises(ValueError, match="--shard 1/3"):
+        B.build_dataset(tiny, [src], tmp_path / "s1", max_new_tokens=3, shard=(0, 3), resume=True,
+                        progress=False)
+    assert _rows(tmp_path / "s1") == before
+    for bad in ("3/3", "1", "a/2", "-1/2"):
+        with pytest.raises(ValueError, match="--shard must be k/N"):
+            B.parse_shard(bad)
+    assert B.parse_shard("1/4") == (1, 4)
+
+
 def test_build_refuses_other_target_and_load_checks_target(tiny, tmp_path):
     from dspine.target import load_target
 

@@ -129,6 +129,19 @@ def _interleave(iters: list[Iterator[dict]]) -> Iterator[dict]:
         active = nxt
 
 
+def parse_shard(text: str, option: str = "--shard") -> tuple[int, int]:
+    """Parse ``"k/N"`` (this process's share of a job split over N processes).
+
+    Returns ``(k, N)``. Raises ValueError naming ``option`` unless 0 <= k < N.
+    """
+    parts = str(text).split("/")
+    ok = len(parts) == 2 and all(x.strip().isdigit() for x in parts)
+    k, n = (int(x) for x in parts) if ok else (0, 0)
+    if not (ok and 0 <= k < n):
+        raise ValueError(f"{option} must be k/N with 0 <= k < N, got {text!r}")
+    return k, n
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -136,7 +149,8 @@ def _now() -> str:
 def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompts: int | None = None,
                   max_new_tokens: int = 256, batch_size: int = 32, dtype: str = "bfloat16",
                   resume: bool = False, threads: int | None = None, max_prompt_tokens: int = 384,
-                  shard_rows: int = 5000, pool_batches: int = 8, progress: bool = True) -> dict:
+                  shard: tuple[int, int] = (0, 1), shard_rows: int = 5000, pool_batches: int = 8,
+                  progress: bool = True) -> dict:
     """Regenerate target responses for ``sources`` into ``out_dir``; return the manifest.
 
     Args:
@@ -145,6 +159,9 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
             and eval-only prompts excluded (:func:`dspine.data.sources.training_prompts`).
         max_prompts: cap on prompts taken from the interleaved stream (already-written
             ids count towards it, so a resumed run reaches the same set).
+        shard: ``(k, N)``: take only the prompts at positions ``i % N == k`` of the stream,
+            so N processes (or machines) build disjoint parts; ``max_prompts`` then caps
+            this part. A directory keeps the shard it was started with.
         max_prompt_tokens: code prompts are left-truncated to it; longer chat prompts skipped.
         threads: torch CPU threads (None: torch's default, all cores).
     Raises:
@@ -175,6 +192,12 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     if man is not None and man.get("counts", {}).get("prompts", 0) > 0 and not resume:
         raise ValueError(f"{out} already holds {man['counts']['prompts']} rows for target "
                          f"{tgt.name!r}; pass --resume to continue it or use another --out")
+    k_shard, n_shard = shard
+    if not (0 <= k_shard < n_shard):
+        raise ValueError(f"--shard must be k/N with 0 <= k < N, got {k_shard}/{n_shard}")
+    if man is not None and man.get("shard", "0/1") != f"{k_shard}/{n_shard}":
+        raise ValueError(f"{out} was built with --shard {man.get('shard', '0/1')}, not "
+                         f"{k_shard}/{n_shard}; resume it with the same --shard or use another --out")
     done, counts = _repair_and_scan(out)
     counts["skipped_too_long"] = 0
     pad_id = getattr(tgt.tokenizer, "pad_token_id", None)
@@ -187,7 +210,8 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     man = man or {"format": FORMAT, "created": _now(), "runs": []}
     man.update({"target": tgt.name, "target_path": tgt.path, "tokenizer": fp,
                 "template": _template_info(tgt.tokenizer), "sampling": settings,
-                "sources": list(sources), "max_prompts": max_prompts, "complete": False})
+                "sources": list(sources), "max_prompts": max_prompts, "shard": f"{k_shard}/{n_shard}",
+                "complete": False})
     run = {"started": _now(), "sources": list(sources), "settings": settings, "new_rows": 0}
     man["runs"].append(run)
 
@@ -199,7 +223,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     save()
     stream = _interleave(iters)
     seen: set[str] = set()
-    taken = 0
+    taken = position = 0
     shard_idx = max(len(_shards(out)) - 1, 0)
     shard_count = sum(1 for _ in open(out / f"data-{shard_idx:05d}.jsonl", "rb")) \
         if (out / f"data-{shard_idx:05d}.jsonl").exists() else 0
@@ -221,6 +245,9 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                 if rec["id"] in seen:
                     continue
                 seen.add(rec["id"])
+                position += 1
+                if (position - 1) % n_shard != k_shard:
+                    continue
                 taken += 1
                 if rec["id"] in done:
                     continue
@@ -327,6 +354,8 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
     p.add_argument("--resume", action="store_true", help="continue a directory, skipping done ids")
+    p.add_argument("--shard", default="0/1",
+                   help="k/N: build only prompts i %% N == k of the stream (N processes, N --out dirs)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_build)
 
@@ -335,7 +364,8 @@ def _cmd_build(args) -> int:
     man = build_dataset(args.target, args.prompts, args.out, max_prompts=args.max_prompts,
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         dtype=args.dtype, resume=args.resume, threads=args.threads,
-                        max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress)
+                        max_prompt_tokens=args.max_prompt_tokens, shard=parse_shard(args.shard),
+                        progress=not args.no_progress)
     print(json.dumps({"out": str(args.out), "counts": man["counts"], "complete": man["complete"]}))
     return 0
 

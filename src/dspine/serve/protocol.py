@@ -16,6 +16,31 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 
+# Features this server does not offer: field -> (accepted values, error message).
+# Anything else is refused with a 400 naming the field (never silently ignored).
+_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "only n=1 is supported"),
+    "logprobs": ((None, False, 0), "logprobs are not supported"),
+    "presence_penalty": ((0.0,), "penalties are not supported (only 0)"),
+    "frequency_penalty": ((0.0,), "penalties are not supported (only 0)"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "echo": ((False,), "echo is not supported"),
+    "suffix": ((None, ""), "suffix is not supported"),
+}
+
+
+def _check_supported(value, field: str):
+    """Return ``value`` if ``field`` accepts it (table ``_UNSUPPORTED``).
+
+    ``logprobs`` and ``logit_bias`` come back as None (their accepted values all mean
+    "off"). Raises ValueError with the field's message otherwise (a 400 naming the field).
+    """
+    allowed, message = _UNSUPPORTED[field]
+    if value not in allowed:
+        raise ValueError(message)
+    return None if field in ("logprobs", "logit_bias") else value
+
 
 class APIError(Exception):
     """An HTTP error with an OpenAI-style body ``{"error": {message, type, param, code}}``."""
@@ -62,13 +87,6 @@ class _Sampling(BaseModel):
     best_of: int | None = None
     return_token_ids: bool = False  # extension (as in vLLM): token ids in each choice
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -81,33 +99,10 @@ class _Sampling(BaseModel):
             raise ValueError(f"stop sequences are limited to {MAX_STOP_LEN} characters")
         return [s for s in stops if s]
 
-    @field_validator("logprobs")
+    @field_validator("n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of")
     @classmethod
-    def _logprobs(cls, v):
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported (only 0)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return None
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return v
+    def _unsupported(cls, v, info):
+        return _check_supported(v, info.field_name)
 
 
 class CompletionRequest(_Sampling):
@@ -126,19 +121,10 @@ class CompletionRequest(_Sampling):
             v = v[0]
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix")
     @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    def _unsupported_completion(cls, v, info):
+        return _check_supported(v, info.field_name)
 
 
 class ContentPart(BaseModel):

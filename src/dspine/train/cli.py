@@ -184,13 +184,10 @@ def _training_seqs(data_dirs, target):
 
 def cmd_train_features(args) -> int:
     from ..target import load_target
+    from ..data.build import parse_shard
     from .feature_store import build_feature_store
 
-    parts = args.shard.split("/")
-    ok = len(parts) == 2 and all(x.strip().isdigit() for x in parts)
-    k, n = (int(x) for x in parts) if ok else (0, 0)
-    if not (ok and 0 <= k < n):
-        raise ValueError(f"--shard must be k/N with 0 <= k < N, got {args.shard!r}")
+    k, n = parse_shard(args.shard)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype="float32")
