@@ -10,6 +10,7 @@ Fixtures:
                 value afterwards. Our modules opt in with ``pytestmark``; it is *not*
                 autouse. On this 2-core machine, shared with other jobs, two OpenMP
                 threads per process make small matmuls 10-25x slower (spin contention).
+    one_thread_module -- the same for a whole module (module-scoped fixtures included).
 
 Helper proposers (all subclasses of :class:`dspine.draft.Proposer`):
     OracleProposer       -- proposes the target's own greedy continuation (from a plain
@@ -19,6 +20,8 @@ Helper proposers (all subclasses of :class:`dspine.draft.Proposer`):
                             oracle's, the rest wrong; records what it proposed.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -34,14 +37,27 @@ TINY_VOCAB = 8
 TINY_SEED = 0
 
 
-@pytest.fixture
-def one_thread():
+@contextlib.contextmanager
+def _single_thread():
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(prev)
+
+
+@pytest.fixture
+def one_thread():
+    with _single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """``one_thread`` for a whole module, its module-scoped fixtures included."""
+    with _single_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

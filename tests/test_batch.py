@@ -18,13 +18,7 @@ PROMPTS = ["hello world", "a", "The quick brown fox jumps over", "xyz" * 9, "12"
 LENS = [20, 33, 5, 28, 17, 1, 25, 40]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny models: one intra-op thread is faster and does not fight other processes for cores
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,7 @@ AR_LEN = 44  # reference continuation (the cache-level tests run past M)
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # two OpenMP threads on this shared 2-core box make tiny matmuls much slower
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _TARGETS: dict = {}

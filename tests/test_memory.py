@@ -25,17 +25,7 @@ from dspine.model import DSpineDrafter
 from dspine.target import load_target
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
-@pytest.fixture(scope="module")
-def tiny256():
-    return load_target("random:llama", vocab_size=256, seed=1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- reference figures ------------------------------------------------------------------------

@@ -33,12 +33,7 @@ M = 4  # new tokens per sampled sequence (first from the prefill, then cycles wi
 SAMPLING = dict(temperature=1.0, top_p=0.95)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: small matmuls are much slower with 2 threads
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

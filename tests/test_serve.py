@@ -33,12 +33,7 @@ PROMPTS = ["hello world", "a", "The quick brown fox", "xyz" * 7, "12", "foo bar 
 LENS = [12, 20, 5, 16, 9, 1, 14, 24]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")
