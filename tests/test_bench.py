@@ -259,6 +259,36 @@ def test_cost_model_flags_a_mismatch(tiny_run):
     assert any(n.startswith("Cost model off") and "for dspine" in n for n in s["notes"])
 
 
+def test_speedup_vs_peer_is_per_request_ratio(tiny_run):
+    _, _, rows = tiny_run
+    rec = [r for r in rows if not r["warmup"]]
+    s = R.summarize(rows)
+    for g in s["results"]:
+        if g["mode"] == "hf-pld":
+            assert g["speedup_vs_peer"] is None
+            continue
+        key = (g["concurrency"], g["setting"], g["workload"])
+        peer = {(r["prompt_id"], r["repeat"]): r for r in rec
+                if (r["concurrency"], r["setting"], r["workload"], r["mode"]) == key + ("hf-pld",)}
+        mine = [r for r in rec if (r["concurrency"], r["setting"], r["workload"], r["mode"]) == key + (g["mode"],)]
+        want = sorted(r["tokens_per_second"] / peer[(r["prompt_id"], r["repeat"])]["tokens_per_second"]
+                      for r in mine)
+        assert g["speedup_vs_peer"]["n"] == len(want)
+        assert g["speedup_vs_peer"]["median"] == pytest.approx(want[len(want) // 2] if len(want) % 2 else
+                                                               (want[len(want) // 2 - 1] + want[len(want) // 2]) / 2)
+    md = R.render_markdown(s, [])
+    assert "## At a glance" in md and "| vs hf-pld |" in md
+    # slowing the peer down by 2x doubles every speculative mode's ratio against it
+    slow = copy.deepcopy(rows)
+    for r in slow:
+        if r["mode"] == "hf-pld":
+            r["tokens_per_second"] /= 2
+    s2 = R.summarize(slow)
+    for g, g2 in zip(s["results"], s2["results"]):
+        if g["speedup_vs_peer"]:
+            assert g2["speedup_vs_peer"]["median"] == pytest.approx(2 * g["speedup_vs_peer"]["median"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("dspine.batch") is None, reason="no batched engine")
 def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
     cfg = tiny_config(modes=("ar", "dspine", "hf"), workloads=("short",), limit=2, settings=(H.GREEDY,),

@@ -22,6 +22,7 @@ from pathlib import Path
 from .harness import check_rows_fair
 
 COST_MODEL_TOLERANCE = 0.10
+PEER = "hf-pld"  # the external peer a user would pick instead (transformers prompt lookup)
 
 
 def _median(xs):
@@ -50,7 +51,25 @@ def _overheads(warm: list[dict]) -> dict:
     return out
 
 
-def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None) -> dict:
+def _ratios(ok: list[dict], ref_rows: dict) -> tuple[list[float], list[float], list[bool]]:
+    """Per request of ``ok``, against the row of the same (prompt, repeat) in ``ref_rows``:
+    output tok/s ratio, end-to-end time ratio (ref / this), greedy ids equal."""
+    sp, e2e, match = [], [], []
+    for r in ok:
+        a = ref_rows.get((r["prompt_id"], r["repeat"]))
+        if a is None or a.get("failed"):
+            continue
+        if r.get("tokens_per_second") and a.get("tokens_per_second"):
+            sp.append(r["tokens_per_second"] / a["tokens_per_second"])
+        if r.get("e2e_s") and a.get("e2e_s"):
+            e2e.append(a["e2e_s"] / r["e2e_s"])
+        if r["setting"] == "greedy":
+            match.append(r["output_ids"] == a["output_ids"])
+    return sp, e2e, match
+
+
+def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
+                 peer_rows: dict | None = None) -> dict:
     ok = [r for r in rows if not r.get("failed")]
     g: dict = {"n": len(rows), "failures": sum(1 for r in rows if r.get("failed")),
                "timeouts": sum(1 for r in rows if r.get("finish_reason") == "timeout"),
@@ -63,20 +82,11 @@ def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None) -> dic
     g["e2e_s_median"] = _median([r.get("e2e_s") for r in ok])
     g["peak_memory_bytes_max"] = max((r.get("peak_memory_bytes") or 0 for r in rows), default=0)
     g["peak_memory_kind"] = rows[0].get("peak_memory_kind")
-    # speedup over ar on the same request (prompt, repeat, setting)
-    sp, e2e, match = [], [], []
-    for r in ok:
-        a = ar_rows.get((r["prompt_id"], r["repeat"]))
-        if a is None or a.get("failed"):
-            continue
-        if r.get("tokens_per_second") and a.get("tokens_per_second"):
-            sp.append(r["tokens_per_second"] / a["tokens_per_second"])
-        if r.get("e2e_s") and a.get("e2e_s"):
-            e2e.append(a["e2e_s"] / r["e2e_s"])
-        if r["setting"] == "greedy":
-            match.append(r["output_ids"] == a["output_ids"])
+    # speedup over ar (and over the prompt-lookup peer) on the same request (prompt, repeat)
+    sp, e2e, match = _ratios(ok, ar_rows)
     g["speedup"] = _spread(sp)
     g["e2e_speedup"] = _spread(e2e)
+    g["speedup_vs_peer"] = _spread(_ratios(ok, peer_rows or {})[0])
     g["greedy_matches_ar"] = (sum(match) / len(match)) if match else None
     # acceptance
     cyc = sum(r.get("cycles") or 0 for r in ok)
@@ -151,9 +161,12 @@ def summarize(rows: list[dict], cfg: dict | None = None, skipped: list | None = 
     results = []
     for (c, s, w, m), rs in groups.items():
         ar = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, "ar"), [])}
-        g = _group_stats(rs, ar if m != "ar" else {}, ovh.get((c, s, m)))
+        peer = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, PEER), [])}
+        g = _group_stats(rs, ar if m != "ar" else {}, ovh.get((c, s, m)), peer if m != PEER else {})
         if m == "ar":
             g["speedup"] = g["e2e_speedup"] = None
+        if m == PEER:
+            g["speedup_vs_peer"] = None
         g.update(concurrency=c, setting=s, workload=w, mode=m, workload_version=rs[0]["workload_version"])
         if c > 1 and "phase_wall_s" in rs[0]:
             g["throughput_tokens_per_s"] = sum(r["output_tokens"] for r in rs) / rs[0]["phase_wall_s"]
@@ -216,6 +229,22 @@ def _check_cell(g: dict) -> str:
     return "–"
 
 
+def _glance(res: list[dict]) -> list[str]:
+    """Lines of the at-a-glance table: each speculative mode vs ar and vs the peer, per
+    workload (median per-request tok/s ratio, with min–max)."""
+    spec = [g for g in res if g["mode"] in ("dspine", "dflash")]
+    if not spec:
+        return []
+    L = ["", f"## At a glance: speculative modes vs `ar` and vs the peer (`{PEER}`)", "",
+         "Output tokens/s after prefill, median of per-request ratios (min–max); the same "
+         "requests in every mode.", "",
+         f"| concurrency | setting | workload | mode | tau pooled | vs ar | vs {PEER} |", "|---|---|---|---|---|---|---|"]
+    for g in spec:
+        L.append(f"| {g['concurrency']} | {g['setting']} | {g['workload']} | {g['mode']} "
+                 f"| {_f(g['tau_pooled'])} | {_sp(g['speedup'])} | {_sp(g.get('speedup_vs_peer'))} |")
+    return L
+
+
 def render_markdown(summary: dict, plots: list[str]) -> str:
     env, cfg = summary.get("env") or {}, summary.get("config") or {}
     L = ["# dspine bench report", ""]
@@ -248,6 +277,7 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                   f"({'; '.join(s['id'] + ': ' + s['reason'] for s in summary['skipped_prompts'][:5])})"]
     res = summary["results"]
     keys = list(dict.fromkeys((g["concurrency"], g["setting"], g["workload"]) for g in res))
+    L += _glance(res)
     for c, s, w in keys:
         gs = [g for g in res if (g["concurrency"], g["setting"], g["workload"]) == (c, s, w)]
         L += ["", f"## {w} ({gs[0]['workload_version']}), {s}, concurrency {c}", "",
