@@ -8,6 +8,10 @@ metrics next to the plot so the figure can be redrawn from the repository.
 
     python benchmarks/training_curves.py --run dspine=runs/dspine --run dflash=runs/dflash \
         --out benchmarks/training
+
+A run given as ``NAME=RUN_DIR@STEPS`` starts at STEPS (a warm start from an earlier
+run); runs whose names share the part before ``-s`` (``dspine``, ``dspine-s3``) share a
+colour, so successive warm-started runs read as one curve.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ def _smooth(xs: list[float], k: int = 10) -> list[float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", action="append", required=True, help="NAME=RUN_DIR (holds metrics.jsonl)")
+    ap.add_argument("--run", action="append", required=True,
+                    help="NAME=RUN_DIR[@STEPS] (holds metrics.jsonl; STEPS trained before it)")
     ap.add_argument("--out", default="benchmarks/training")
     ap.add_argument("--step-offset", type=int, default=0, help="steps trained before these runs (warm start)")
     args = ap.parse_args(argv)
@@ -44,14 +49,20 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    colors: dict[str, str] = {}
     for spec in args.run:
         name, run = spec.split("=", 1)
+        run, _, off = run.partition("@")
+        offset = int(off) if off else args.step_offset
+        family = name.split("-s")[0]
         src = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
         if src.resolve() != (out / f"{name}.metrics.jsonl").resolve():
             shutil.copyfile(src, out / f"{name}.metrics.jsonl")
         rs = _load(src)
-        steps = [r["step"] + args.step_offset for r in rs]
-        (line,) = a1.plot(steps, _smooth([r["ce"] for r in rs]), label=f"{name} CE rows 1..15")
+        steps = [r["step"] + offset for r in rs]
+        (line,) = a1.plot(steps, _smooth([r["ce"] for r in rs]), color=colors.get(family),
+                          label=f"{name} CE rows 1..15")
+        colors[family] = line.get_color()
         if any(r.get("fs", 0) for r in rs):
             a1.plot(steps, _smooth([r["fs"] for r in rs]), "--", color=line.get_color(),
                     label=f"{name} final-stage CE")
