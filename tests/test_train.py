@@ -118,6 +118,45 @@ def test_empty_training_data_refused(tmp_path):
         Trainer(tg, _cfg(tg), [], tmp_path, _tc())
 
 
+def test_resolve_device(monkeypatch):
+    """--device auto|cpu|cuda|cuda:N: CUDA only when visible, cuda:LOCAL_RANK under torchrun."""
+    from dspine.train.loop import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="--device 'tpu' is unknown"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="not supported for training"):
+        resolve_device("meta")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        TrainConfig(device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("auto") == torch.device("cuda", 1)  # one GPU per torchrun rank
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="only 2 CUDA device"):
+        resolve_device("cuda:3")
+
+
+def test_drafter_follows_the_target_device_and_trainer_refuses_a_mismatch(tmp_path):
+    """A checkpoint is loaded onto the target's device; training refuses a target on
+    another device than --device (meta stands in for a GPU here)."""
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc())
+    tr.save()
+    meta = load_target("random:llama", vocab_size=256, device="meta")
+    model = load_drafter(tmp_path / "ckpt", meta)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    with pytest.raises(ValueError, match="--device cpu: the target is loaded on meta"):
+        Trainer(meta, _cfg(meta), _seqs(), tmp_path / "b", _tc())
+    b = collate(_seqs(n=2), 48).to("meta")
+    assert b.ids.device.type == b.valid.device.type == b.resp_start.device.type == "meta"
+
+
 def _ddp_worker(rank, world, tmp, result_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)

@@ -190,6 +190,9 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype = torch.float
                  block_size: int | None = None, option: str = "--drafter") -> DSpineDrafter:
     """Load and validate a checkpoint directory against ``target`` (if given).
 
+    With a ``target`` the drafter is placed on ``target.device`` and bound to its
+    embedding and head; without one it stays on the CPU.
+
     ``option`` is the command-line setting named in error messages.
 
     Raises:
@@ -231,7 +234,8 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype = torch.float
                                f"config expects {tuple(v.shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
     model = model.to(dtype)
-    if target is not None:
+    if target is not None:  # the drafter runs on the target's device
+        model = model.to(getattr(target, "device", "cpu"))
         model.bind_target(target.input_embeddings(), target.output_head())
     return model.eval()
 
@@ -257,7 +261,7 @@ def random_drafter(target, mode: str = "dspine", block_size: int = 16, seed: int
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = DSpineDrafter(cfg)
-    model = model.to(dtype)
+    model = model.to(dtype=dtype, device=getattr(target, "device", "cpu"))
     return model.bind_target(target.input_embeddings(), target.output_head()).eval()
 
 

@@ -38,13 +38,14 @@ def cpu_speed_patches(model):
       hidden state is non-contiguous and ``F.linear`` broadcasts (copies) the whole
       [V, d] head per batch row (1.7 s of a 2.4 s prefill at batch 8);
     * bf16/fp16 attention computed by SDPA in float32 (the bf16 CPU flash kernel took
-      ~70% of a decode step; decode 2.4x faster).
+      ~70% of a decode step; decode 2.4x faster); CPU only, CUDA keeps its bf16 kernels.
     """
     head = model.get_output_embeddings()
     handle = head.register_forward_pre_hook(lambda mod, args: (args[0].contiguous(),) + args[1:])
     old_impl = getattr(model.config, "_attn_implementation", None)
     switched = False
-    if next(model.parameters()).dtype in (torch.bfloat16, torch.float16) and old_impl == "sdpa":
+    w = next(model.parameters())
+    if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16) and old_impl == "sdpa":
         try:
             _register_f32_attention()
             model.set_attn_implementation(_F32_ATTN)

@@ -7,6 +7,7 @@ acceptance length tau with the real engine loop (greedy, float32 by default).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -117,19 +118,21 @@ def _warm_start_fields(init_from, steps: int, wall: float) -> dict:
 def cmd_train(args) -> int:
     from ..draft import save_drafter
     from ..target import load_target
-    from .loop import TrainConfig, Trainer, init_distributed
+    from .loop import TrainConfig, Trainer, init_distributed, resolve_device
 
-    rank, world = init_distributed()
+    device = resolve_device(args.device)
+    rank, world = init_distributed(device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target, dtype="float32")
+    target = load_target(args.target, dtype="float32", device=str(device))
     seqs = _training_seqs(args.data, target)
     cfg = _drafter_config(args, target)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                      max_len=args.max_len, lr=args.lr, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
                      eval_every=args.eval_every, vocab_subset=args.vocab_subset,
-                     feature_dtype=args.feature_dtype, autocast_bf16=args.bf16_autocast,
-                     memo_features=not args.no_memo_features)
+                     feature_dtype=args.feature_dtype,
+                     autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
+                     memo_features=not args.no_memo_features, device=str(device))
     out = Path(args.out)
 
     def eval_fn(model):
@@ -159,8 +162,7 @@ def cmd_train(args) -> int:
                 "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
                 "steps": tr.step, "train_config": json.loads(json.dumps(tc.__dict__)),
                 "wall_time_s": round(tr.wall, 1), "world_size": world,
-                "hardware": f"{platform.machine()} {torch.get_num_threads()} threads, "
-                            f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
+                "hardware": _hardware(device),
                 "heldout_acceptance_greedy_fp32": acc,
                 **_warm_start_fields(tr.init_source, tr.step, tr.wall),
                 "created": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -170,6 +172,13 @@ def cmd_train(args) -> int:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _hardware(device: torch.device) -> str:
+    """Where a run trained, for the model card (CPU threads or the GPU's name)."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (cuda)"
+    return f"{platform.machine()} {torch.get_num_threads()} threads, cpu"
 
 
 def _training_seqs(data_dirs, target):
@@ -187,10 +196,12 @@ def cmd_train_features(args) -> int:
     from ..data.build import parse_shard
     from .feature_store import build_feature_store
 
+    from .loop import resolve_device
+
     k, n = parse_shard(args.shard)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target, dtype="float32")
+    target = load_target(args.target, dtype="float32", device=str(resolve_device(args.device)))
     layers = args.feature_layers or target.default_feature_layers(5)
     bad = [l for l in layers if not 0 <= l < target.num_layers]
     if bad:
@@ -205,7 +216,9 @@ def cmd_acceptance(args) -> int:
     from ..draft import load_drafter
     from ..target import load_target
 
-    target = load_target(args.target, dtype=args.dtype)
+    from .loop import resolve_device
+
+    target = load_target(args.target, dtype=args.dtype, device=str(resolve_device(args.device)))
     model = load_drafter(args.drafter, target, dtype=target.dtype)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True)
@@ -232,7 +245,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--no-memo-features", action="store_true",
                    help="recompute target features every time (default: keep them in RAM once computed)")
-    p.add_argument("--bf16-autocast", action="store_true", help="bf16 autocast for the drafter")
+    p.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast for the drafter (default: on for CUDA, off on CPU)")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when available, under torchrun cuda:LOCAL_RANK) | cpu | cuda | cuda:N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=0)
@@ -255,6 +271,7 @@ def add_train_parser(sub) -> None:
     f.add_argument("--shard", default="0/1", help="k/N: this process computes sequences i %% N == k")
     f.add_argument("--batch-size", type=int, default=4)
     f.add_argument("--threads", type=int, default=0)
+    f.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     f.set_defaults(func=cmd_train_features)
 
     a = sub.add_parser("acceptance", help="held-out acceptance length of a drafter (engine loop)")
@@ -264,4 +281,5 @@ def add_train_parser(sub) -> None:
     a.add_argument("--n", type=int, default=16)
     a.add_argument("--max-new-tokens", type=int, default=96)
     a.add_argument("--dtype", default="float32")
+    a.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     a.set_defaults(func=cmd_acceptance)

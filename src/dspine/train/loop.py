@@ -1,8 +1,12 @@
 """Drafter training loop: online target features, AdamW + warmup/cosine, checkpoints,
 ``--resume``, JSONL metrics, held-out acceptance by the real engine loop, DDP.
 
+Device: ``TrainConfig.device`` (``--device auto|cpu|cuda|cuda:N``); target, drafter,
+batches and the loss run there, features cached in RAM stay on the CPU.
+
 Multi-process: launch with ``torchrun --nproc-per-node N -m dspine.cli train ...``;
-each rank takes a disjoint slice of every global batch (gloo on CPU, nccl on CUDA)
+each rank takes a disjoint slice of every global batch (gloo on CPU, nccl on CUDA
+with one GPU per rank, ``cuda:LOCAL_RANK``)
 and gradients are averaged with one flat all-reduce per step (data parallel, as
 DDP does), so N processes with per-rank batch b/N follow the same
 trajectory as one process with batch b (tested).
@@ -49,6 +53,7 @@ class TrainConfig:
     feature_dtype: str = "bfloat16"
     autocast_bf16: bool = False
     memo_features: bool = True  # keep each sequence's target features in RAM once computed
+    device: str = "cpu"  # resolved device name (see resolve_device)
 
     def __post_init__(self) -> None:
         for f in ("steps", "batch_size", "anchors_per_seq", "max_len"):
@@ -56,6 +61,35 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{f} must be positive, got {getattr(self, f)}")
         if self.max_len < 4:
             raise ValueError("TrainConfig.max_len must be >= 4")
+        self.device = str(resolve_device(self.device))
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """The training device for ``--device NAME``.
+
+    ``auto`` is ``cuda:LOCAL_RANK`` (0 outside torchrun) when CUDA is available, else
+    ``cpu``; ``cuda`` under torchrun also means ``cuda:LOCAL_RANK``.
+
+    Raises:
+        ValueError: an unknown device, or ``cuda`` when no CUDA device is visible.
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name!r} is unknown; accepted: auto, cpu, cuda, cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not supported for training; accepted: auto, cpu, cuda, cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        idx = local if dev.index is None else dev.index
+        if idx >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        dev = torch.device("cuda", idx)
+    return dev
 
 
 def _dist_info() -> tuple[int, int]:
@@ -64,11 +98,14 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-def init_distributed() -> tuple[int, int]:
-    """Initialise torch.distributed from torchrun's env (gloo on CPU, nccl on CUDA)."""
+def init_distributed(device: str | torch.device = "cpu") -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's env: nccl when training on CUDA
+    (after selecting this rank's GPU), gloo on CPU. Returns (rank, world size)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return _dist_info()
 
 
@@ -105,8 +142,12 @@ class Trainer:
         self.rank, self.world = _dist_info()
         if tc.batch_size % self.world:
             raise ValueError(f"--batch-size {tc.batch_size} must be divisible by the world size {self.world}")
+        self.device = torch.device(tc.device)
+        tdev = torch.device(getattr(target, "device", "cpu"))
+        if tdev.type != self.device.type or (tdev.index or 0) != (self.device.index or 0):
+            raise ValueError(f"--device {tc.device}: the target is loaded on {tdev}; load it on the training device")
         torch.manual_seed(tc.seed)
-        self.model = DSpineDrafter(drafter_cfg)
+        self.model = DSpineDrafter(drafter_cfg).to(self.device)  # init on CPU (same weights on any device)
         self.model.bind_target(target.input_embeddings(), target.output_head())
         if self.world > 1:  # identical start on every rank
             for p in self.model.parameters():
@@ -114,7 +155,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay,
                                      betas=(0.9, 0.95))
         self.step = 0
-        self.subset = (frequent_tokens(seqs, tc.vocab_subset, drafter_cfg.vocab_size)
+        self.subset = (frequent_tokens(seqs, tc.vocab_subset, drafter_cfg.vocab_size).to(self.device)
                        if 0 < tc.vocab_subset < drafter_cfg.vocab_size else None)
         self.data_meta = data_meta or {}
         self.memo: dict[int, torch.Tensor] = {}
@@ -152,9 +193,10 @@ class Trainer:
             raise ValueError(f"--resume: checkpoint in {ck} was trained with another drafter config "
                              f"(mode {saved.mode}, layers {saved.num_layers}); use a new --out")
         self.model.load_state_dict(load_file(str(ck / "model.safetensors")))
-        st = torch.load(ck / "trainer.pt", weights_only=False)
-        self.opt.load_state_dict(st["opt"])
-        self.step, self.wall, self.subset = st["step"], st.get("wall", 0.0), st["subset"]
+        st = torch.load(ck / "trainer.pt", weights_only=False, map_location="cpu")
+        self.opt.load_state_dict(st["opt"])  # moves the optimizer state to the parameters' device
+        self.step, self.wall = st["step"], st.get("wall", 0.0)
+        self.subset = None if st["subset"] is None else st["subset"].to(self.device)
         self.init_source = st.get("init_source")
         return True
 
@@ -221,7 +263,8 @@ class Trainer:
                 if not ((tc.memo_features and i in self.memo) or (store is not None and i in store))]
         fresh = {}
         if todo:
-            ids, valid = batch.ids[todo], batch.valid[todo]
+            dev = self.target.device
+            ids, valid = batch.ids[todo].to(dev), batch.valid[todo].to(dev)
             with cpu_speed_patches(self.target.model):
                 out = self.target.model(input_ids=ids, attention_mask=valid.long(),
                                         output_hidden_states=True, logits_to_keep=1)
@@ -229,10 +272,11 @@ class Trainer:
             for k, j in enumerate(todo):
                 fresh[j] = f[k]
                 if tc.memo_features:
-                    self.memo[idx[j]] = f[k][: int(valid[k].sum())].clone()
+                    self.memo[idx[j]] = f[k][: int(valid[k].sum())].to("cpu", copy=True)  # RAM, not GPU
         rows = []
         for j, i in enumerate(idx):
             x = fresh[j] if j in fresh else (self.memo[i] if i in self.memo else store.get(i))
+            x = x.to(self.device)
             pad = T - x.shape[0]
             rows.append(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad > 0 else x[:T])
         return torch.stack(rows).float()
@@ -248,14 +292,16 @@ class Trainer:
         u = torch.rand(tc.batch_size, tc.anchors_per_seq, generator=gen, dtype=torch.float64)
         per = tc.batch_size // self.world
         anchors = sample_anchors(batch, tc.anchors_per_seq, None, u[self.rank * per:(self.rank + 1) * per])
-        feats = self.features(batch, idx)
+        feats = self.features(batch, idx)  # [b, T, F*d] float32 on the training device
         denom = None
         if self.world > 1:  # normalise by the global weight sum (exact data parallelism)
-            ws = torch.tensor([weight_sum(batch, anchors, self.cfg.block_size, tc.gamma)], dtype=torch.float64)
+            ws = torch.tensor([weight_sum(batch, anchors, self.cfg.block_size, tc.gamma)], dtype=torch.float64,
+                              device=self.device)
             dist.all_reduce(ws)
             denom = float(ws) / self.world
+        batch, anchors = batch.to(self.device), anchors.to(self.device)
         self.model.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.autocast_bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.autocast_bf16):
             losses = drafter_losses(self.model, feats, batch, anchors, tc.gamma,
                                     None if self.subset is None else self.subset, tc.fs_weight, denom)
         self.opt.zero_grad(set_to_none=True)

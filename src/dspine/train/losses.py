@@ -39,6 +39,10 @@ class Batch:
     valid: torch.Tensor
     resp_start: torch.Tensor
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The same batch on ``device`` (a copy; ``self`` is unchanged)."""
+        return Batch(self.ids.to(device), self.valid.to(device), self.resp_start.to(device))
+
 
 def collate(seqs: list[tuple[list[int], int]], max_len: int) -> Batch:
     """Right-pad (ids, response_start) pairs to a batch, truncating to ``max_len``."""
@@ -70,7 +74,7 @@ def sample_anchors(batch: Batch, nb: int, gen: torch.Generator | None, u: torch.
 
 def block_labels(batch: Batch, anchors: torch.Tensor, B: int) -> torch.Tensor:
     """Tokens at anchor+0..anchor+B-1 [b, nb, B]; -100 beyond the sequence."""
-    pos = anchors[:, :, None] + torch.arange(B)  # [b, nb, B]
+    pos = anchors[:, :, None] + torch.arange(B, device=anchors.device)  # [b, nb, B]
     T = batch.ids.shape[1]
     inside = pos < T
     g = torch.gather(batch.ids, 1, pos.clamp(max=T - 1).reshape(pos.shape[0], -1)).view_as(pos)
@@ -124,7 +128,7 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
     ok = tgt >= 0
     ce_rows = Fn.cross_entropy(z.float().reshape(-1, z.shape[-1]), tgt.reshape(-1), ignore_index=-100,
                                reduction="none").view_as(tgt)
-    wsum = (w * ok).sum().clamp_min(1.0) if denom is None else torch.tensor(max(denom, 1e-6))
+    wsum = (w * ok).sum().clamp_min(1.0) if denom is None else torch.tensor(max(denom, 1e-6), device=dev)
     ce = (ce_rows * w * ok).sum() / wsum
     with torch.no_grad():
         acc1 = ((z[:, :, 0].argmax(-1) == tgt[:, :, 0]) & ok[:, :, 0]).sum() / ok[:, :, 0].sum().clamp_min(1)
