@@ -24,12 +24,11 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
 from .generate import cpu_speed_patches, generate_batch, generate_batch_hf  # noqa: F401
-from .sources import iter_jsonl_prompts, training_prompts
+from .sources import interleave, iter_jsonl_prompts, training_prompts
 
 FORMAT = "dspine-data/1"
 MANIFEST = "manifest.json"
@@ -114,19 +113,6 @@ def _same_target(man: dict, target, fp: dict) -> bool:
     same_name = man.get("target") == target.name or (
         target.path is not None and man.get("target_path") == target.path)
     return same_name and man.get("tokenizer", {}).get("vocab_sha256") == fp["vocab_sha256"]
-
-
-def _interleave(iters: list[Iterator[dict]]) -> Iterator[dict]:
-    """Round-robin over iterators until all are exhausted."""
-    active = list(iters)
-    while active:
-        nxt = []
-        for it in active:
-            rec = next(it, None)
-            if rec is not None:
-                yield rec
-                nxt.append(it)
-        active = nxt
 
 
 def parse_shard(text: str, option: str = "--shard") -> tuple[int, int]:
@@ -221,7 +207,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         _write_json_atomic(out / MANIFEST, man)
 
     save()
-    stream = _interleave(iters)
+    stream = interleave(iters)
     seen: set[str] = set()
     taken = position = 0
     shard_idx = max(len(_shards(out)) - 1, 0)

@@ -249,7 +249,12 @@ def iter_stdlib_prompts(modules: Iterable[str] | None = None, seed: int = 0,
                 yield {"id": f"{mod}:{cut}", "source": "stdlib", "kind": "code",
                        "prompt": text, "module": mod}
 
-    active = [one(m) for m in mods]
+    yield from interleave([one(m) for m in mods])
+
+
+def interleave(iters: Iterable[Iterator[dict]]) -> Iterator[dict]:
+    """Round-robin over iterators until all are exhausted."""
+    active = list(iters)
     while active:
         nxt = []
         for it in active:
