@@ -173,3 +173,66 @@ def test_generate_streams_text(capsys):
     code2, out2, _ = cli(capsys, *_gen("--mode", "ar", "--json"))
     assert out == json.loads(out2)["text"] + "\n"
     assert "[dspine]" in err and "tau" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "hi", "--threads", "1"], "--threads"),  # generate has no --threads: usage error
+    (["generate", "hi", "--target", CLI_TARGET, "--drafter", "random", "--block-size", "100000"], "--block-size"),
+    (["generate", "hi", "--target", CLI_TARGET, "--dtype", "int8"], "--dtype int8"),
+    (["train", "--data", "d", "--out", "o", "--threads", "-3"], "--threads"),
+    (["train", "--data", "d", "--out", "o", "--save-every", "0"], "--save-every"),
+    (["train", "--data", "d", "--out", "o", "--vocab-subset", "-5"], "--vocab-subset"),
+    (["train", "--data", "d", "--out", "o", "--device", "tpu"], "--device"),
+    (["serve", "--port", "99999"], "--port"),
+    (["bench", "--modes", "ar", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["bench", "--modes", "ar", "--limit", "0"], "--limit"),
+    (["bench", "--modes", "dspine", "--dtype", "float16"], "--dtype float16"),
+    (["bench", "--modes", "ar", "--concurrency", "9"], "concurrency 9"),
+    (["data", "build", "--prompts", "stdlib", "--out", "o", "--batch-size", "0"], "--batch-size"),
+    (["data", "text", "--out", "o", "--seq-len", "4"], "--seq-len"),
+    (["acceptance", "--drafter", "random", "--n", "0"], "--n"),
+])
+def test_bad_settings_of_every_command(capsys, tmp_path, monkeypatch, argv, needle):
+    """One ``dspine: error:`` line naming the setting, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, *argv)
+    assert_error(code, err, needle)
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_train_refuses_to_overwrite_a_run(capsys, tmp_path):
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)
+    code, out, err = cli(capsys, "train", "--target", CLI_TARGET, "--data", str(tmp_path / "none"),
+                         "--out", str(tmp_path / "run"), "--device", "cpu")
+    assert_error(code, err, "--resume")
+
+
+def test_data_build_checks_prompt_files_before_writing(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"messages": [{"foo": 1}]}\n')
+    code, out, err = cli(capsys, "data", "build", "--target", CLI_TARGET, "--prompts", str(bad),
+                         "--out", str(tmp_path / "out"))
+    assert_error(code, err, "bad.jsonl, line 2", "'role'")
+    code, out, err = cli(capsys, "data", "build", "--target", CLI_TARGET, "--prompts", str(tmp_path / "nope.jsonl"),
+                         "--out", str(tmp_path / "out"))
+    assert_error(code, err, "nope.jsonl")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "afile").write_text("x")
+    code, out, err = cli(capsys, "data", "build", "--target", CLI_TARGET, "--prompts", str(bad),
+                         "--out", str(tmp_path / "afile"))
+    assert code == 2  # the prompt file is checked first; a valid file then meets the --out check
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "fine"}\n')
+    code, out, err = cli(capsys, "data", "build", "--target", CLI_TARGET, "--prompts", str(good),
+                         "--out", str(tmp_path / "afile"))
+    assert_error(code, err, "--out", "is a file")
+
+
+def test_interrupt_exits_130_with_a_resume_hint(capsys, monkeypatch):
+    import dspine.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(dspine.cli, "cmd_generate", interrupted)
+    code, out, err = cli(capsys, "generate", "hi")
+    assert code == 130 and "interrupted" in err and "Traceback" not in err

@@ -274,6 +274,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "bob", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
 
@@ -512,3 +518,39 @@ def test_real_target_greedy_equals_cli(capsys):
     assert main(["generate", chat_q, "--chat", "--mode", "ar", "--max-new-tokens", "16", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got[3]["ids"] == cli["token_ids"] and got[3]["text"] == cli["text"]
+
+
+def test_queue_limit_holds_while_a_request_is_being_admitted(ar):
+    """A request popped from the queue for prefill still holds its slot: with 1 slot and
+    --max-queue 1, while A is in prefill B may wait and C is refused (429)."""
+    import asyncio
+    import threading
+
+    from dspine.config import SamplingConfig
+    from dspine.serve.scheduler import Job, QueueFull, Scheduler
+
+    batch = BatchEngine(Engine(ar.target, None, "ar"), 1)
+    entered, release = threading.Event(), threading.Event()
+    real_add = batch.add
+
+    def slow_add(*a, **kw):
+        entered.set()
+        release.wait(30)
+        return real_add(*a, **kw)
+
+    batch.add = slow_add
+    sched = Scheduler(batch, max_queue=1)
+    sched.start()
+    loop = asyncio.new_event_loop()
+    try:
+        def job():
+            return Job(ar.target.encode_prompt("hi"), SamplingConfig(), 2, [], loop)
+        sched.submit(job())  # A: admitted, blocks in prefill
+        assert entered.wait(30)
+        sched.submit(job())  # B: waits (the one queue place)
+        with pytest.raises(QueueFull):
+            sched.submit(job())  # C: A holds the slot, B the queue place
+    finally:
+        release.set()
+        sched.stop()
+        loop.close()

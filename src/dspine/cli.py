@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+from .argtypes import positive_int
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 
@@ -44,9 +47,12 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 
     if mode not in MODES:
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
+    if device == "auto":  # as `dspine train --device auto`
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,
+                     verify_policy=verify_policy)  # settings alone, before loading anything
     dt = parse_dtype(dtype)
     guard = dict(dtype=dt, device=device, concurrency=concurrency, verify_policy=verify_policy)
-    validate_runtime(None, None, **guard)  # settings alone, before loading anything
     target = load_target(target_name, dtype=dt, device=device)
     if mode == "ar":
         validate_runtime(target, None, **guard)
@@ -75,10 +81,10 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 def cmd_generate(args) -> int:
     from .config import SamplingConfig
 
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, seed=args.seed)  # validated before anything loads
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              min_p=args.min_p, seed=args.seed)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     res = engine.generate(ids, sampling, args.max_new_tokens, stop=args.stop, on_text=stream)
@@ -101,7 +107,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")
     p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
     p.add_argument("--chat", action="store_true", help="apply the target's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -110,7 +116,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
     p.add_argument("--verify-policy", default="fixed",
                    help="fixed (verify the whole block) | cost (choose n per cycle by measured cost "
                         "and past acceptance; non-anticipating)")
@@ -134,18 +140,33 @@ def _optional_parsers(sub) -> None:
         getattr(m, fn)(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse parser whose usage errors become one ``dspine: error:`` line (exit 2)."""
+
+    def error(self, message):
+        raise ValueError(f"{message} (see `{self.prog} --help`)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Returns the exit code (2 for bad settings)."""
-    parser = argparse.ArgumentParser(prog="dspine", description=__doc__.splitlines()[0])
+    """Entry point. Returns the exit code (2 for bad settings, 130 when interrupted)."""
+    parser = _Parser(prog="dspine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     _optional_parsers(sub)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:  # our errors subclass ValueError
+    except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
+        # our errors subclass ValueError
         print(f"dspine: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into e.g. `head`, which closed early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("dspine: interrupted; what was saved is kept (resumable commands continue with --resume)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

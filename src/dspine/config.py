@@ -20,6 +20,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+MAX_BLOCK_SIZE = 64  # largest block a drafter may have (spec default 16; memory grows with B)
+
+
 @dataclass
 class DSpineConfig:
     """Drafter configuration (spec sections 2-4). All widths in elements.
@@ -57,8 +60,8 @@ class DSpineConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"DSpineConfig.{f} must be a positive int, got {v!r}")
-        if self.block_size < 2:
-            raise ConfigError(f"DSpineConfig.block_size must be >= 2, got {self.block_size}")
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"block size (--block-size) must be 2..{MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"DSpineConfig.num_heads ({self.num_heads}) must be a multiple of "
                               f"num_kv_heads ({self.num_kv_heads})")
@@ -166,7 +169,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k must be an int >= 0, got {self.top_k}")
         if not (0 < self.top_p <= 1):

@@ -218,6 +218,12 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype = torch.float
                            f"{cfg.block_size}; a drafter runs only at its trained block size")
     if target is not None:
         check_fits_target(cfg, target, where=f"{option} {path}")
+        if cfg.target_name and cfg.target_name != getattr(target, "name", cfg.target_name):
+            import warnings
+
+            warnings.warn(f"{option} {path} was trained for target {cfg.target_name!r} and now runs on "
+                          f"{target.name!r} (sizes match; output stays lossless, acceptance may be low)",
+                          stacklevel=2)
     try:
         sd = load_file(str(p / "model.safetensors"))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from ..argtypes import nonneg_int, positive_int
 from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
 from .workloads import parse_workloads
 
@@ -89,7 +90,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target name or path (default smollm2-135m)")
     p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16, for every mode")
     p.add_argument("--device", default=None, help="cpu (default) | cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (smoke default 1)")
+    p.add_argument("--threads", type=nonneg_int, default=None, help="torch CPU threads (smoke default 1)")
     p.add_argument("--modes", default=None, help="comma list of ar,dflash,dspine,hf,hf-pld or all (default all)")
     p.add_argument("--drafter", default=None, help="drafter for both speculative modes: 'random' or a directory")
     p.add_argument("--drafter-dspine", default=None, help="dspine checkpoint dir or 'random' (default: shipped)")
@@ -97,18 +98,18 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--verify-policy", default=None, choices=["fixed", "cost"],
                    help="verification-length policy of dflash/dspine (default fixed)")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
-    p.add_argument("--pld-tokens", type=int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
+    p.add_argument("--pld-tokens", type=positive_int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
     p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools or all")
-    p.add_argument("--limit", type=int, default=None, help="at most N prompts per workload")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="override every workload's output budget")
-    p.add_argument("--context-tokens", type=int, default=None, help="prompt + output budget (default 2048; smoke 512)")
+    p.add_argument("--limit", type=positive_int, default=None, help="at most N prompts per workload")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="override every workload's output budget")
+    p.add_argument("--context-tokens", type=positive_int, default=None, help="prompt + output budget (default 2048; smoke 512)")
     p.add_argument("--settings", default=None, help="greedy,sampled (default both; smoke greedy)")
     p.add_argument("--temperature", type=float, default=SAMPLED.temperature)
     p.add_argument("--top-k", type=int, default=SAMPLED.top_k)
     p.add_argument("--top-p", type=float, default=SAMPLED.top_p)
     p.add_argument("--min-p", type=float, default=SAMPLED.min_p)
-    p.add_argument("--repeats", type=int, default=None, help="repeats per prompt (default 3; smoke 1)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up runs per mode and setting (default 1)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="repeats per prompt (default 3; smoke 1)")
+    p.add_argument("--warmup", type=nonneg_int, default=None, help="warm-up runs per mode and setting (default 1)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
     p.add_argument("--code-timeout", type=float, default=None, help="seconds per HumanEval test run (default 10)")

@@ -260,6 +260,11 @@ class Harness:
             raise BenchError(f"--repeats must be >= 1 and --warmup >= 0 (got {cfg.repeats}, {cfg.warmup})")
         if not cfg.settings:
             raise BenchError("--settings: give at least one decoding setting")
+        from ..guards import validate_runtime
+
+        # the same guards as generate/serve, before anything is loaded (GuardError names the setting)
+        validate_runtime(None, None, dtype=cfg.dtype, device=cfg.device, concurrency=max(cfg.concurrency),
+                         verify_policy=cfg.verify_policy)
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         self.drafters = resolve_drafters(cfg)

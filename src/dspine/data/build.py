@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import nonneg_int, positive_int
 from .generate import cpu_speed_patches, generate_batch, generate_batch_hf  # noqa: F401
 from .sources import interleave, iter_jsonl_prompts, training_prompts
 
@@ -160,9 +161,15 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         torch.set_num_threads(int(threads))
     if not sources:
         raise ValueError("--prompts: give at least one source (sharegpt, stdlib or a .jsonl path)")
-    for s in sources:  # fail early: unknown/eval-only source, missing or empty JSONL
+    for s in sources:  # fail early: unknown/eval-only source; missing, empty or malformed JSONL
         if s not in ("sharegpt", "stdlib"):
-            next(iter_jsonl_prompts(s)) if Path(s).exists() else training_prompts(s)
+            if s.endswith(".jsonl") or Path(s).exists():
+                for _ in iter_jsonl_prompts(s):  # reads every line once
+                    pass
+            else:
+                training_prompts(s)
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a directory")
     iters = [iter(training_prompts(s)) for s in sources]
     tgt: Target = target if isinstance(target, Target) else load_target(target, dtype=dtype)
     fp = tokenizer_fingerprint(tgt.tokenizer)
@@ -333,12 +340,12 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", nargs="+", required=True, metavar="SOURCE",
                    help="sharegpt, stdlib or JSONL paths (interleaved)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--max-prompts", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-prompts", type=positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
+    p.add_argument("--threads", type=nonneg_int, default=None, help="torch CPU threads (default: all)")
     p.add_argument("--resume", action="store_true", help="continue a directory, skipping done ids")
     p.add_argument("--shard", default="0/1",
                    help="k/N: build only prompts i %% N == k of the stream (N processes, N --out dirs)")

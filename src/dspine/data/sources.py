@@ -271,8 +271,8 @@ def iter_jsonl_prompts(path: str | Path) -> Iterator[dict]:
 
     Optional fields: ``id`` (default ``<stem>:<line>``) and ``kind`` (default chat).
     Raises:
-        ValueError: the file is missing, has a malformed line, or no usable row
-            (the message names the file).
+        ValueError: the file is missing, has a malformed line or message, or no usable
+            row (the message names the file and line).
     """
     path = Path(path)
     if not path.is_file():
@@ -293,6 +293,11 @@ def iter_jsonl_prompts(path: str | Path) -> Iterator[dict]:
             if isinstance(row.get("prompt"), str) and row["prompt"].strip():
                 rec["prompt"] = row["prompt"]
             elif isinstance(row.get("messages"), list) and row["messages"]:
+                bad = [m for m in row["messages"] if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                          and isinstance(m.get("content"), str))]
+                if bad:
+                    raise ValueError(f"prompt file {path}, line {lineno}: every message needs a string "
+                                     f"'role' and 'content', got {str(bad[0])[:80]}")
                 rec["messages"] = row["messages"]
             else:
                 continue

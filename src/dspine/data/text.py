@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..argtypes import positive_int
 from .build import FORMAT, MANIFEST, _write_json_atomic, tokenizer_fingerprint
 from .sources import _iter_json_array, _module_path, is_eval_record, is_heldout_module, stdlib_modules
 
@@ -73,15 +74,24 @@ def build_text_dataset(target, out_dir: str | Path, sources=("stdlib", "sharegpt
     """Write ``data-00000.jsonl`` + manifest of text sequences for ``target``.
 
     Raises:
-        ValueError: unknown source, or ``out_dir`` already holds data of another target.
+        ValueError: unknown source, ``seq_len`` < 16 or ``max_tokens`` < 1, ``sharegpt``
+            with a tokenizer that has no chat template, or ``out_dir`` already holds data
+            of another target.
     """
     from .sources import load_splits
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     bad = [s for s in sources if s not in ("stdlib", "sharegpt")]
     if bad:
         raise ValueError(f"--sources {bad}: dspine data text reads stdlib and sharegpt only")
+    if seq_len < 16:
+        raise ValueError(f"--seq-len {seq_len}: must be at least 16 tokens")
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens {max_tokens}: must be positive")
+    if "sharegpt" in sources and not getattr(target.tokenizer, "chat_template", None):
+        raise ValueError(f"--sources sharegpt: target {target.name!r} has no chat template; "
+                         f"use --sources stdlib")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     heldout = set(load_splits().get("sharegpt_heldout_set", []))
     gens = {"stdlib": _stdlib_chunks(target, seq_len), "sharegpt": _sharegpt_convs(target, seq_len, heldout)}
     fp = tokenizer_fingerprint(target.tokenizer)
@@ -116,8 +126,8 @@ def add_text_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--out", required=True)
     p.add_argument("--sources", nargs="+", default=["stdlib", "sharegpt"])
-    p.add_argument("--max-tokens", type=int, default=2_000_000)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=positive_int, default=2_000_000)
+    p.add_argument("--seq-len", type=positive_int, default=512)
 
 
 def cmd_text(args) -> int:

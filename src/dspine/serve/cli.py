@@ -11,6 +11,8 @@ from __future__ import annotations
 import signal
 import sys
 
+from ..argtypes import nonneg_int, port_number
+
 
 def cmd_serve(args) -> int:
     from ..batch import MAX_RUNNING_VALIDATED, BatchEngine
@@ -67,17 +69,17 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")
     p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")
     p.add_argument("--max-running", type=int, default=8, help="running requests batched per cycle (1..8)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which HTTP 429 is returned")
+    p.add_argument("--max-queue", type=nonneg_int, default=64, help="waiting requests beyond which HTTP 429 is returned")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of a random drafter")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --target)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 

@@ -2,8 +2,9 @@
 
 Unknown extra fields are accepted and ignored (clients send e.g. ``user``); known
 fields are validated, and features this server does not offer (``n > 1``,
-``logprobs``, ``echo``, penalties, ``logit_bias``, ``best_of > 1``, ``suffix``) are
-refused with a 400 naming the field instead of being silently ignored.
+``logprobs``, ``echo``, penalties, ``logit_bias``, ``best_of > 1``, ``suffix``, tool
+calling, ``response_format`` other than text) are refused with a 400 naming the field
+instead of being silently ignored.
 Extension: ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to
 the choice (non-streamed) or ``token_ids`` to each streamed chunk's choice.
 """
@@ -27,6 +28,12 @@ _UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "best_of": ((None, 1), "only best_of=1 is supported"),
     "echo": ((False,), "echo is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
+    # chat: tool calling and structured output (refused rather than silently ignored)
+    "tools": ((None, []), "tools are not supported (tool schemas are not rendered into the prompt)"),
+    "tool_choice": ((None, "none", "auto"), "tool_choice is not supported (no tools)"),
+    "functions": ((None, []), "functions are not supported"),
+    "function_call": ((None, "none", "auto"), "function_call is not supported"),
+    "response_format": ((None, {"type": "text"}), "only response_format {\"type\": \"text\"} is supported"),
 }
 
 
@@ -151,6 +158,16 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "response_format")
+    @classmethod
+    def _unsupported_chat(cls, v, info):
+        return _check_supported(v, info.field_name)
 
     @model_validator(mode="after")
     def _max(self):

@@ -94,6 +94,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # id(req) -> job, running
+        self._admitting = 0  # popped from the queue, prefill not yet done (hold a slot)
         self._stop = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -152,7 +153,7 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------
     def _free_slots_locked(self) -> int:
-        return self.batch.max_running - len(self._jobs)
+        return self.batch.max_running - len(self._jobs) - self._admitting
 
     def _counters(self) -> dict:
         b = self.batch
@@ -187,6 +188,7 @@ class Scheduler:
                 free = self._free_slots_locked()
                 while self._waiting and len(admit) < free:
                     admit.append(self._waiting.popleft())
+                self._admitting = len(admit)
             for j in gone:
                 self._finish(j, cancelled=True)
             try:
@@ -194,40 +196,52 @@ class Scheduler:
             except Exception as e:  # never leave a handler hanging
                 log.error("scheduler iteration failed: %s\n%s", e, traceback.format_exc())
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
+                with self._cv:
+                    self._admitting = 0
             self._publish()
         self._shutdown_jobs()
         self._publish()
+
+    def _admit(self, job: Job) -> None:
+        """Prefill one admitted job and deliver its first token (or its error)."""
+        if job.cancelled:
+            self._finish(job, cancelled=True)
+            return
+        try:
+            req = self.batch.add(job.prompt_ids, job.sampling, job.max_tokens, job.stop)
+        except EngineError as e:
+            self._error(job, 400, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 (prefill failure: this request only)
+            log.error("prefill failed: %s\n%s", e, traceback.format_exc())
+            self._error(job, 500, f"internal error during prefill: {type(e).__name__}: {e}")
+            return
+        job.req = req
+        job.t_first = time.perf_counter()
+        self.metrics.ttft.observe(job.t_first - job.t_submit)
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.generation_tokens.inc(len(req.out_ids))
+        if req.finished:
+            self._deliver(job)
+            self._finish(job)
+        else:
+            with self._cv:
+                self._jobs[id(req)] = job
+            self._deliver(job)
 
     def _iteration(self, admit: list[Job]) -> None:
         b = self.batch
         # 1. cancellations free their state before anything else runs
         for job in [j for j in self._jobs.values() if j.cancelled]:
             self._finish(job, cancelled=True)
-        # 2. admissions (prefill + first token)
+        # 2. admissions (prefill + first token); each admitted job holds its slot through
+        #    ``_admitting`` until it is running or finished (submit() counts it)
         for job in admit:
-            if job.cancelled:
-                self._finish(job, cancelled=True)
-                continue
             try:
-                req = b.add(job.prompt_ids, job.sampling, job.max_tokens, job.stop)
-            except EngineError as e:
-                self._error(job, 400, str(e))
-                continue
-            except Exception as e:  # noqa: BLE001 (prefill failure: this request only)
-                log.error("prefill failed: %s\n%s", e, traceback.format_exc())
-                self._error(job, 500, f"internal error during prefill: {type(e).__name__}: {e}")
-                continue
-            job.req = req
-            job.t_first = time.perf_counter()
-            self.metrics.ttft.observe(job.t_first - job.t_submit)
-            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-            self.metrics.generation_tokens.inc(len(req.out_ids))
-            if req.finished:
-                self._deliver(job)
-                self._finish(job)
-            else:
-                self._jobs[id(req)] = job
-                self._deliver(job)
+                self._admit(job)
+            finally:
+                with self._cv:
+                    self._admitting -= 1
         # 3. one batched cycle
         if not b.running:
             return

@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from ..argtypes import nonneg_int, positive_int
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
@@ -124,8 +127,12 @@ def cmd_train(args) -> int:
     rank, world = init_distributed(device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if not args.resume and ((out / "ckpt").exists() or (out / "final").exists()):
+        raise ValueError(f"--out {out} already holds a training run; pass --resume to continue it "
+                         f"or choose a new --out")
     target = load_target(args.target, dtype="float32", device=str(device))
-    seqs = _training_seqs(args.data, target)
+    seqs = _training_seqs(args.data, target, args.max_len)
     cfg = _drafter_config(args, target)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                      max_len=args.max_len, lr=args.lr, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
@@ -133,7 +140,6 @@ def cmd_train(args) -> int:
                      feature_dtype=args.feature_dtype,
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
                      memo_features=not args.no_memo_features, device=str(device))
-    out = Path(args.out)
 
     def eval_fn(model):
         return measure_acceptance(target, model, n=args.eval_prompts, max_new_tokens=48)
@@ -181,13 +187,32 @@ def _hardware(device: torch.device) -> str:
     return f"{platform.machine()} {torch.get_num_threads()} threads, cpu"
 
 
-def _training_seqs(data_dirs, target):
+def _training_seqs(data_dirs, target, max_len: int | None = None):
+    """(token ids, response start) pairs of the data directories.
+
+    Keeps sequences with a response of >= 2 tokens. With ``max_len``, refuses data
+    whose responses all start beyond the first ``max_len - 2`` positions (anchors need
+    a next token inside the window) and notes how many do; those sequences stay in the
+    list (a feature store is keyed by the full list) and each adds one anchor at the
+    window's end.
+
+    Raises:
+        ValueError: no usable sequence (names --data and --max-len).
+    """
     from ..data.build import load_dataset
 
     data = [s for d in data_dirs for s in load_dataset(d, target)]
     seqs = [(s.input_ids, s.response_start) for s in data if len(s.input_ids) - s.response_start >= 2]
     if not seqs:
         raise ValueError(f"--data {data_dirs}: no usable sequences (need responses of >= 2 tokens)")
+    if max_len is not None:
+        late = sum(1 for _, r in seqs if r > max_len - 2)
+        if late == len(seqs):
+            raise ValueError(f"--max-len {max_len}: no response of --data starts inside the window "
+                             f"(shortest prompt {min(r for _, r in seqs)} tokens); raise --max-len")
+        if late:
+            print(f"note: {late} of {len(seqs)} sequences have prompts longer than --max-len {max_len} - 2 "
+                  f"tokens; each adds only one anchor at the window end", file=sys.stderr)
     return seqs
 
 
@@ -213,13 +238,15 @@ def cmd_train_features(args) -> int:
 
 
 def cmd_acceptance(args) -> int:
-    from ..draft import load_drafter
+    from ..draft import load_drafter, random_drafter
     from ..target import load_target
-
     from .loop import resolve_device
 
     target = load_target(args.target, dtype=args.dtype, device=str(resolve_device(args.device)))
-    model = load_drafter(args.drafter, target, dtype=target.dtype)
+    if args.drafter == "random":  # untrained baseline (tau of a drafter that knows nothing)
+        model = random_drafter(target, mode=args.mode, dtype=target.dtype)
+    else:
+        model = load_drafter(args.drafter, target, dtype=target.dtype)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True)
     print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, **res}))
@@ -234,14 +261,14 @@ def add_train_parser(sub) -> None:
     p.add_argument("--config", default="small", help="small | release | path to a drafter config.json")
     p.add_argument("--mode", default="dspine", choices=["dspine", "dflash"])
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=8, help="global sequences per step")
-    p.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="global sequences per step")
+    p.add_argument("--anchors", type=positive_int, default=32, help="random anchors (blocks) per sequence")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=384)
+    p.add_argument("--max-len", type=positive_int, default=384)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--vocab-subset", type=int, default=8192, help="CE over the N most frequent tokens (0 = all)")
+    p.add_argument("--warmup", type=nonneg_int, default=50)
+    p.add_argument("--vocab-subset", type=nonneg_int, default=8192, help="CE over the N most frequent tokens (0 = all)")
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--no-memo-features", action="store_true",
                    help="recompute target features every time (default: keep them in RAM once computed)")
@@ -250,10 +277,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when available, under torchrun cuda:LOCAL_RANK) | cpu | cuda | cuda:N")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--eval-prompts", type=int, default=4)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--save-every", type=positive_int, default=100)
+    p.add_argument("--eval-every", type=nonneg_int, default=0)
+    p.add_argument("--eval-prompts", type=nonneg_int, default=4)
+    p.add_argument("--threads", type=nonneg_int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default=None,
                    help="warm-start weights from a drafter checkpoint dir (same config); ignored on --resume")
@@ -265,21 +292,22 @@ def add_train_parser(sub) -> None:
     f.add_argument("--target", default="smollm2-135m")
     f.add_argument("--data", required=True, nargs="+", help="same --data list as the `dspine train` runs")
     f.add_argument("--out", required=True)
-    f.add_argument("--max-len", type=int, default=384)
+    f.add_argument("--max-len", type=positive_int, default=384)
     f.add_argument("--feature-layers", type=int, nargs="+", default=None,
                    help="default: the target's default feature layers (as `dspine train --config small`)")
     f.add_argument("--shard", default="0/1", help="k/N: this process computes sequences i %% N == k")
-    f.add_argument("--batch-size", type=int, default=4)
-    f.add_argument("--threads", type=int, default=0)
+    f.add_argument("--batch-size", type=positive_int, default=4)
+    f.add_argument("--threads", type=nonneg_int, default=0)
     f.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     f.set_defaults(func=cmd_train_features)
 
     a = sub.add_parser("acceptance", help="held-out acceptance length of a drafter (engine loop)")
     a.add_argument("--target", default="smollm2-135m")
-    a.add_argument("--drafter", required=True)
+    a.add_argument("--drafter", required=True, help="checkpoint directory, or 'random' (untrained baseline)")
+    a.add_argument("--mode", default="dspine", choices=["dspine", "dflash"], help="mode of a random drafter")
     a.add_argument("--sets", nargs="+", default=["code", "chat"])
-    a.add_argument("--n", type=int, default=16)
-    a.add_argument("--max-new-tokens", type=int, default=96)
+    a.add_argument("--n", type=positive_int, default=16)
+    a.add_argument("--max-new-tokens", type=positive_int, default=96)
     a.add_argument("--dtype", default="float32")
     a.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     a.set_defaults(func=cmd_acceptance)

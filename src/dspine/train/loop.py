@@ -56,9 +56,12 @@ class TrainConfig:
     device: str = "cpu"  # resolved device name (see resolve_device)
 
     def __post_init__(self) -> None:
-        for f in ("steps", "batch_size", "anchors_per_seq", "max_len"):
+        for f in ("steps", "batch_size", "anchors_per_seq", "max_len", "save_every"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"TrainConfig.{f} must be positive, got {getattr(self, f)}")
+        for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"TrainConfig.{f} must be >= 0, got {getattr(self, f)}")
         if self.max_len < 4:
             raise ValueError("TrainConfig.max_len must be >= 4")
         self.device = str(resolve_device(self.device))
@@ -136,6 +139,8 @@ class Trainer:
         check_fits_target(drafter_cfg, target, where="train")
         if not seqs:
             raise ValueError("training data holds no sequences")
+        if drafter_cfg.block_size >= tc.max_len:
+            raise ValueError(f"--block-size {drafter_cfg.block_size} must be smaller than --max-len {tc.max_len}")
         self.target, self.cfg, self.tc, self.eval_fn = target, drafter_cfg, tc, eval_fn
         self.seqs = seqs
         self.out = Path(out_dir)
@@ -190,8 +195,9 @@ class Trainer:
 
         saved = DSpineConfig.load(ck)
         if saved != self.cfg:
+            diff = {k: (v, getattr(self.cfg, k)) for k, v in asdict(saved).items() if getattr(self.cfg, k) != v}
             raise ValueError(f"--resume: checkpoint in {ck} was trained with another drafter config "
-                             f"(mode {saved.mode}, layers {saved.num_layers}); use a new --out")
+                             f"(checkpoint vs this run: {diff}); use a new --out")
         self.model.load_state_dict(load_file(str(ck / "model.safetensors")))
         st = torch.load(ck / "trainer.pt", weights_only=False, map_location="cpu")
         self.opt.load_state_dict(st["opt"])  # moves the optimizer state to the parameters' device

@@ -1,0 +1,39 @@
+"""argparse value types shared by the ``dspine`` commands.
+
+Each raises :class:`argparse.ArgumentTypeError`, so argparse prints
+``argument --NAME: <message>`` and exits with status 2 (the setting is named).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, sizes, token budgets)."""
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    """An integer >= 0 (0 keeps a documented default, e.g. ``--threads 0``)."""
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return v
+
+
+def port_number(text: str) -> int:
+    """A TCP port 0..65535 (0 picks a free port)."""
+    v = _int(text)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0..65535, got {text!r}")
+    return v
