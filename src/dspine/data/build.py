@@ -321,6 +321,9 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
         raise ValueError(f"data in {d} was built for target {man.get('target')!r} (tokenizer "
                          f"{man.get('tokenizer', {}).get('vocab_sha256', '?')[:12]}), not for target "
                          f"{tgt.name!r} (tokenizer {fp['vocab_sha256'][:12]})")
+    if not man.get("complete", False):
+        print(f"note: {d} is an unfinished build ({man.get('counts', {}).get('prompts', 0)} rows so far); "
+              f"using the rows written (finish it with `dspine data build ... --resume`)", file=sys.stderr)
     seqs = []
     for shard in _shards(d):
         with open(shard, "rb") as f:
