@@ -263,3 +263,28 @@ def test_feature_store_damage_is_detected_or_repaired(tmp_path):
     with pytest.raises(ValueError, match="max-len"):
         build_feature_store(tg, cfg.feature_layers, seqs, 0, tmp_path / "x", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_train_command_end_to_end(tmp_path, capsys):
+    """`dspine data text` -> `dspine train` -> final checkpoint with a card that loads;
+    a second run into the same --out needs --resume, which continues the step count."""
+    import json
+
+    from dspine.cli import main
+
+    data, run = tmp_path / "text", tmp_path / "run"
+    assert main(["data", "text", "--target", "random:llama", "--sources", "stdlib", "--out", str(data),
+                 "--max-tokens", "3000", "--seq-len", "64"]) == 0
+    base = ["train", "--target", "random:llama", "--data", str(data), "--out", str(run), "--batch-size", "2",
+            "--anchors", "2", "--max-len", "64", "--block-size", "4", "--eval-prompts", "1", "--threads", "1",
+            "--device", "cpu", "--save-every", "1"]
+    assert main(base + ["--steps", "2"]) == 0
+    card = json.loads((run / "final" / "card.json").read_text())
+    assert card["steps"] == 2 and card["train_config"]["device"] == "cpu"
+    assert card["heldout_acceptance_greedy_fp32"]["n_code"] == 1
+    assert load_drafter(run / "final", load_target("random:llama")).cfg.block_size == 4
+    capsys.readouterr()
+    assert main(base + ["--steps", "3"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main(base + ["--steps", "3", "--resume"]) == 0
+    assert json.loads((run / "final" / "card.json").read_text())["steps"] == 3

@@ -141,7 +141,7 @@ def cmd_train(args) -> int:
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
                      memo_features=not args.no_memo_features, device=str(device))
 
-    def eval_fn(model):
+    def eval_fn(model):  # periodic signal: the target is in --feature-dtype while training
         return measure_acceptance(target, model, n=args.eval_prompts, max_new_tokens=48)
 
     store = None
@@ -160,9 +160,12 @@ def cmd_train(args) -> int:
     if rank == 0:
         final = out / "final"
         save_drafter(tr.model, final, dtype=torch.bfloat16)
-        target.model.to(torch.float32)
-        target.dtype = torch.float32
-        tr.model.to(torch.float32)
+        # training ran the target in --feature-dtype; casting it back would keep rounded
+        # weights, so the held-out measurement loads the float32 target afresh
+        del target
+        tr.target, tr.memo = None, {}
+        target = load_target(args.target, dtype="float32", device=str(device))
+        tr.model.to(torch.float32).bind_target(target.input_embeddings(), target.output_head())
         acc = measure_acceptance(target, tr.model, n=args.eval_prompts, max_new_tokens=64) if args.eval_prompts else {}
         card = {"target": args.target, "mode": cfg.mode, "data": [str(d) for d in args.data],
                 "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
