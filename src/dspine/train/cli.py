@@ -55,6 +55,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
         res[f"tau_{s}"] = round(emitted / max(1, cycles), 4)
         res[f"tau_{s}_per_prompt"] = per
         res[f"n_{s}"] = len(prompts)
+    res["max_new_tokens"] = max_new_tokens
     drafter.train(was_training)
     return res
 
@@ -88,7 +89,8 @@ def write_model_card(ckpt: str | Path) -> Path:
         f"- code completion (held-out stdlib modules): tau = {acc.get('tau_code')} over {acc.get('n_code')} prompts",
         f"- chat (held-out ShareGPT prompts): tau = {acc.get('tau_chat')} over {acc.get('n_chat')} prompts",
         "", "tau counts tokens emitted per cycle, bonus/correction included (1.0 = nothing accepted).",
-        "Measure again with `dspine acceptance --drafter <this dir> --sets code chat`.", ""]
+        f"Measure again with `dspine acceptance --drafter <this dir> --sets code chat --n {acc.get('n_code', 16)} "
+        f"--max-new-tokens {acc.get('max_new_tokens', 64)}`.", ""]
     (ckpt / "README.md").write_text("\n".join(lines))
     return ckpt / "README.md"
 
