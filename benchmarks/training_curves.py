@@ -7,6 +7,7 @@ training batch) and plots moving averages against the training step. Copies the
 metrics next to the plot so the figure can be redrawn from the repository.
 
     python benchmarks/training_curves.py --run dspine=runs/dspine --run dflash=runs/dflash \
+        [--run dspine-s4=runs/dspine4@7060 ...] \
         --out benchmarks/training
 
 A run given as ``NAME=RUN_DIR@STEPS`` starts at STEPS (a warm start from an earlier
