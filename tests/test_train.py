@@ -120,7 +120,7 @@ def test_empty_training_data_refused(tmp_path):
 
 def test_resolve_device(monkeypatch):
     """--device auto|cpu|cuda|cuda:N: CUDA only when visible, cuda:LOCAL_RANK under torchrun."""
-    from dspine.train.loop import resolve_device
+    from dspine.guards import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")

@@ -41,14 +41,14 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 
     from .draft import DrafterProposer, load_drafter, random_drafter
     from .engine import MODES, Engine, EngineError
-    from .guards import validate_runtime
+    from .guards import resolve_device, validate_runtime
     from .policy import make_policy
     from .target import load_target, parse_dtype
 
     if mode not in MODES:
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
     if device == "auto":  # as `dspine train --device auto`
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = str(resolve_device("auto"))
     validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,
                      verify_policy=verify_policy)  # settings alone, before loading anything
     dt = parse_dtype(dtype)

@@ -25,6 +25,8 @@ Checks:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 MAX_CONCURRENCY = 8
@@ -80,6 +82,34 @@ def check_device(device) -> None:
         raise GuardError(f"--device {device!r} is not validated; accepted: cpu, cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GuardError(f"--device {device!r}: CUDA is not available on this machine; accepted here: cpu")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """The device for ``--device NAME`` (train, generate, serve, acceptance).
+
+    ``auto`` is ``cuda:LOCAL_RANK`` (0 outside torchrun) when CUDA is available, else
+    ``cpu``; ``cuda`` under torchrun also means ``cuda:LOCAL_RANK``.
+
+    Raises:
+        ValueError: an unknown device, or ``cuda`` when no CUDA device is visible.
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name!r} is unknown; accepted: auto, cpu, cuda, cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not supported for training; accepted: auto, cpu, cuda, cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        idx = local if dev.index is None else dev.index
+        if idx >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        dev = torch.device("cuda", idx)
+    return dev
 
 
 def check_dtype(dtype, what: str = "drafter") -> None:

@@ -123,7 +123,8 @@ def _warm_start_fields(init_from, steps: int, wall: float) -> dict:
 def cmd_train(args) -> int:
     from ..draft import save_drafter
     from ..target import load_target
-    from .loop import TrainConfig, Trainer, init_distributed, resolve_device
+    from ..guards import resolve_device
+    from .loop import TrainConfig, Trainer, init_distributed
 
     device = resolve_device(args.device)
     rank, world = init_distributed(device)
@@ -226,7 +227,7 @@ def cmd_train_features(args) -> int:
     from ..data.build import parse_shard
     from .feature_store import build_feature_store
 
-    from .loop import resolve_device
+    from ..guards import resolve_device
 
     k, n = parse_shard(args.shard)
     if args.threads:
@@ -245,7 +246,7 @@ def cmd_train_features(args) -> int:
 def cmd_acceptance(args) -> int:
     from ..draft import load_drafter, random_drafter
     from ..target import load_target
-    from .loop import resolve_device
+    from ..guards import resolve_device
 
     target = load_target(args.target, dtype=args.dtype, device=str(resolve_device(args.device)))
     if args.drafter == "random":  # untrained baseline (tau of a drafter that knows nothing)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..config import DSpineConfig
 from ..draft import check_fits_target, save_drafter
+from ..guards import resolve_device
 from ..model import DSpineDrafter
 from .losses import collate, cosine_lr, drafter_losses, sample_anchors, weight_sum
 
@@ -65,34 +66,6 @@ class TrainConfig:
         if self.max_len < 4:
             raise ValueError("TrainConfig.max_len must be >= 4")
         self.device = str(resolve_device(self.device))
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """The training device for ``--device NAME``.
-
-    ``auto`` is ``cuda:LOCAL_RANK`` (0 outside torchrun) when CUDA is available, else
-    ``cpu``; ``cuda`` under torchrun also means ``cuda:LOCAL_RANK``.
-
-    Raises:
-        ValueError: an unknown device, or ``cuda`` when no CUDA device is visible.
-    """
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device {name!r} is unknown; accepted: auto, cpu, cuda, cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name!r} is not supported for training; accepted: auto, cpu, cuda, cuda:N")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        idx = local if dev.index is None else dev.index
-        if idx >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
-        dev = torch.device("cuda", idx)
-    return dev
 
 
 def _dist_info() -> tuple[int, int]:
