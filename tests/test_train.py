@@ -167,6 +167,7 @@ def _ddp_worker(rank, world, tmp, result_dir):
         tr.train_step()
     if rank == 0:
         torch.save(tr.model.state_dict(), Path(result_dir) / "ddp.pt")
+    torch.distributed.barrier()  # no rank tears gloo down while the other still uses it
     torch.distributed.destroy_process_group()
 
 
