@@ -38,9 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import SamplingConfig
-from .draft import DrafterProposer, Proposal
-from .final_stage import candidates, chain, conditional_tables
-from .sampling import filter_probs, sample_index, uniform
+from .draft import DrafterProposer, Proposal, dense_proposal
+from .final_stage import candidates, chain, conditional_tables, parallel_chain
 from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request
 from .sampling import sample_token
 from .verify import Verdict, verify
@@ -502,15 +501,15 @@ def _propose_drafter_batch(prop: DrafterProposer, reqs: list[Request], positions
             res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
                                 final_s=shared + time.perf_counter() - tc))
         return res
-    z = d.logits(out.h[:, 0, 1:nmax + 1]).float()  # [b, nmax, V]
-    for j, r in enumerate(reqs):
-        zj = z[j, : ns[j]]
-        if r.sampling.greedy:
-            res.append(Proposal(torch.argmax(zj, dim=-1).cpu()))
-        else:
-            q = filter_probs(zj, r.sampling).cpu()
-            toks = torch.tensor([sample_index(q[i], uniform(r.gen)) for i in range(ns[j])])
-            res.append(Proposal(toks, None, q))
+    if prop.qhead is not None:  # DFlash-style with the shared candidate pass (sparse q)
+        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
+        for j, r in enumerate(reqs):
+            ch = parallel_chain(d, x[j, : ns[j]], r.sampling, r.gen, prop.qhead)
+            res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs))
+    else:
+        z = d.logits(out.h[:, 0, 1:nmax + 1]).float()  # [b, nmax, V]
+        for j, r in enumerate(reqs):
+            res.append(dense_proposal(z[j, : ns[j]], r.sampling, r.gen, t0))
     share = (time.perf_counter() - t0) / b
     for p in res:
         p.draft_s = share

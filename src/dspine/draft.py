@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, DSpineConfig, SamplingConfig
-from .final_stage import QuantizedHead, candidates, chain, conditional_tables
+from .final_stage import QuantizedHead, candidates, chain, conditional_tables, parallel_chain
 from .model import DSpineDrafter
 from .sampling import filter_probs, sample_index, uniform
 
@@ -122,11 +122,17 @@ class DrafterProposer(Proposer):
     """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
 
     def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True):
+        """``use_quantized_head``: candidates from the int8/fp8 coarse head (both modes).
+
+        False is the reference path: exact head over the full vocabulary; for the
+        DFlash-style drafter that is the full-vocabulary argmax (greedy) and the dense
+        filtered q over all V tokens (sampled).
+        """
         self.drafter = drafter.eval()
         self.cfg = drafter.cfg
         self.block_size = self.cfg.block_size
         self.feature_layers = list(self.cfg.feature_layers)
-        self.qhead = QuantizedHead(drafter.head) if (self.cfg.final_stage and use_quantized_head) else None
+        self.qhead = QuantizedHead(drafter.head) if use_quantized_head else None
 
     def new_state(self, prompt_ids):
         return DraftContextCache(self.cfg.num_layers, self.cfg.window)
@@ -162,13 +168,21 @@ class DrafterProposer(Proposer):
             ch = chain(T, cand, n, sampling, gen)
             t2 = time.perf_counter()
             return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
-        z = d.logits(out.h[0, 0, 1:n + 1]).float()  # [n, V]
-        if sampling.greedy:
-            toks = torch.argmax(z, dim=-1).cpu()
-            return Proposal(toks, draft_s=time.perf_counter() - t0)
-        q = filter_probs(z, sampling).cpu()  # [n, V] dense q
-        toks = torch.tensor([sample_index(q[i], uniform(gen)) for i in range(n)])
-        return Proposal(toks, None, q, draft_s=time.perf_counter() - t0)
+        if self.qhead is not None:  # same candidate pass as the final stage, sparse q
+            ch = parallel_chain(d, d.norm_f(out.h[0, 0, 1:n + 1]), sampling, gen, self.qhead)
+            return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=time.perf_counter() - t0)
+        return dense_proposal(d.logits(out.h[0, 0, 1:n + 1]).float(), sampling, gen, t0)
+
+
+def dense_proposal(z: torch.Tensor, sampling: SamplingConfig, gen, t0: float) -> Proposal:
+    """Reference DFlash-style proposals from full-vocabulary logits z [n, V] float32:
+    argmax (greedy) or ``y_i ~ q_i = filter_probs(z_i)`` with the dense q [n, V] float64."""
+    n = z.shape[0]
+    if sampling.greedy:
+        return Proposal(torch.argmax(z, dim=-1).cpu(), draft_s=time.perf_counter() - t0)
+    q = filter_probs(z, sampling).cpu()  # [n, V] dense q
+    toks = torch.tensor([sample_index(q[i], uniform(gen)) for i in range(n)], dtype=torch.long)
+    return Proposal(toks, None, q, draft_s=time.perf_counter() - t0)
 
 
 # -- checkpoints ----------------------------------------------------------------------

@@ -8,6 +8,11 @@
 3. Conditional score tables ``T_i[u, v] = H_v . norm_f(h_i(u))`` (K x K; 1 x K for row 1).
 4. Chain: greedy argmax, or sampled from ``q_i`` = filtered softmax of the row in FP64;
    the sampled path returns the sparse q (candidate ids + probabilities).
+
+The DFlash-style baseline (no bridge, no final stage) uses the same candidate pass
+(:func:`parallel_chain`): each row independently takes its exact-rescored best
+candidate (greedy) or samples from the sparse q over its K candidates, so both
+drafters pay the same head cost (project choice, docs/decisions.md).
 """
 from __future__ import annotations
 
@@ -130,3 +135,33 @@ def chain(T: torch.Tensor, cand: torch.Tensor, n: int, sampling: SamplingConfig,
     if sampling.greedy or n == 0:
         return Chain(tokens, None, None)
     return Chain(tokens, cand[:n].clone(), torch.stack(qs))
+
+
+def parallel_chain(drafter: DSpineDrafter, x: torch.Tensor, sampling: SamplingConfig,
+                   gen: torch.Generator | None, qhead: QuantizedHead | None) -> Chain:
+    """Independent proposals per row (DFlash-style drafter): x [n, d] normed states.
+
+    Greedy: ``y_i`` = best of the candidates (coarse top-``coarse_k`` by ``qhead``,
+    exact rescoring), i.e. the exact argmax of ``H . x_i`` whenever it lies in the
+    coarse pool; without ``qhead`` the exact argmax over the full vocabulary.
+    Sampled: ``q_i = filter_probs(exact scores of the top-K candidates)`` (float64,
+    sparse q as in spec section 4) and ``y_i ~ q_i``; one uniform per row from ``gen``.
+    Returns a :class:`Chain` (tokens [n] int64; q_ids [n, K] / q_probs [n, K] when sampled).
+    """
+    n = x.shape[0]
+    cfg = drafter.cfg
+    if sampling.greedy:
+        if n == 0:
+            return Chain(x.new_zeros(0, dtype=torch.long), None, None)
+        return Chain(candidates(drafter, x, 1, cfg.coarse_k, qhead)[:, 0], None, None)
+    cand = candidates(drafter, x, cfg.head_topk, cfg.coarse_k, qhead)  # [n, K]
+    z = torch.einsum("nd,nkd->nk", x, drafter.head[cand].to(x.dtype)).float()  # [n, K] exact scores
+    toks, qs = [], []
+    for i in range(n):
+        q = filter_probs(z[i], sampling)  # [K] float64
+        j = sample_index(q, uniform(gen))
+        toks.append(cand[i, j])
+        qs.append(q)
+    if n == 0:
+        return Chain(cand.new_zeros(0), None, None)
+    return Chain(torch.stack(toks), cand.clone(), torch.stack(qs))

@@ -320,9 +320,10 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
     if cfg.final_stage:
         rows.append(Row("greedy_tables", f"greedy lookup tables [{V}, {dm}] + [{V}, {2 * dm}]",
                         V * 3 * dm * s, "dspine scores exact conditional tables instead", layout="release"))
-        rows.append(Row("quantized_head", f"quantized coarse head copy [{V}, {d}] int8/fp8", V * d,
-                        "+ scales below"))
-        rows.append(Row("quantized_head_scales", f"coarse head row scales [{V}] float32", V * 4, indent=1))
+    # both modes: the candidate pass of the final stage / the DFlash-style argmax
+    rows.append(Row("quantized_head", f"quantized coarse head copy [{V}, {d}] int8/fp8", V * d,
+                    "+ scales below"))
+    rows.append(Row("quantized_head_scales", f"coarse head row scales [{V}] float32", V * 4, indent=1))
     per = draft_kv_bytes_per_position(cfg, s)
     W = cfg.window
     ring = ring_buffer_positions(context, W)
