@@ -175,6 +175,15 @@ def test_generate_streams_text(capsys):
     assert "[dspine]" in err and "tau" in err
 
 
+def test_generate_notes_ignored_settings(capsys):
+    code, _, err = cli(capsys, *_gen("--mode", "ar", "--top-k", "5", "--top-p", "0.9", "--drafter", "random"))
+    assert code == 0
+    assert "--top-k 5, --top-p 0.9 ignored: --temperature 0 is greedy" in err
+    assert "--drafter / --block-size ignored: --mode ar" in err
+    code, _, err = cli(capsys, *_gen("--mode", "ar", "--temperature", "0.7", "--top-k", "5"))
+    assert code == 0 and "ignored" not in err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "hi", "--threads", "1"], "--threads"),  # generate has no --threads: usage error
     (["generate", "hi", "--target", CLI_TARGET, "--drafter", "random", "--block-size", "100000"], "--block-size"),

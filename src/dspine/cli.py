@@ -83,6 +83,8 @@ def cmd_generate(args) -> int:
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)  # validated before anything loads
+    for note in ignored_settings(args, sampling):
+        print(f"dspine: note: {note}", file=sys.stderr)
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
@@ -98,6 +100,19 @@ def cmd_generate(args) -> int:
         print(f"[{res.mode}] {st.output_tokens} tokens, tau {st.accepted_length_mean:.2f}, "
               f"{st.tokens_per_second:.1f} tok/s, TTFT {st.ttft_s:.2f}s", file=sys.stderr)
     return 0
+
+
+def ignored_settings(args, sampling) -> list[str]:
+    """Notes for options that have no effect with the others given (as HF generate warns)."""
+    notes = []
+    if sampling.greedy:
+        set_ = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+                if getattr(args, k) != off]
+        if set_:
+            notes.append(f"{', '.join(set_)} ignored: --temperature 0 is greedy decoding")
+    if args.mode == "ar" and (args.drafter is not None or args.block_size is not None):
+        notes.append("--drafter / --block-size ignored: --mode ar runs the target alone")
+    return notes
 
 
 def add_generate_parser(sub) -> None:
