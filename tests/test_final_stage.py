@@ -11,8 +11,7 @@ import torch
 
 from dspine.config import SamplingConfig
 from dspine.draft import DrafterProposer, random_drafter
-from dspine.final_stage import QuantizedHead, candidates, parallel_chain
-from dspine.sampling import filter_probs
+from dspine.final_stage import QuantizedHead, candidates, parallel_argmax
 
 
 @pytest.fixture(scope="module")
@@ -37,31 +36,36 @@ def test_quantized_candidates_match_exact_topk(drafter, rows):
     assert torch.equal(fast[:, 0], ref[:, 0])
 
 
-def test_parallel_chain_greedy_is_exact_argmax(drafter, rows):
-    q = QuantizedHead(drafter.head)
-    ch = parallel_chain(drafter, rows, SamplingConfig(), None, q)
-    assert ch.q_ids is None and ch.tokens.dtype == torch.int64
-    assert torch.equal(ch.tokens, torch.argmax(rows @ drafter.head.T, dim=-1))
-    # the reference path (no quantized head) gives the same tokens
-    assert torch.equal(parallel_chain(drafter, rows, SamplingConfig(), None, None).tokens, ch.tokens)
+def test_parallel_argmax_is_exact_argmax(drafter, rows):
+    toks = parallel_argmax(drafter, rows, QuantizedHead(drafter.head))
+    assert toks.dtype == torch.int64
+    assert torch.equal(toks, torch.argmax(rows @ drafter.head.T, dim=-1))
+    assert torch.equal(parallel_argmax(drafter, rows, None), toks)  # reference path
+    assert parallel_argmax(drafter, rows[:0], None).shape == (0,)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.7, seed=1),
-                                      SamplingConfig(temperature=1.0, top_p=0.9, seed=1),
-                                      SamplingConfig(temperature=1.3, top_k=5, min_p=0.05, seed=1)])
-def test_parallel_chain_sparse_q(drafter, rows, sampling):
-    """q_i = filter_probs(exact scores of the K candidates); y_i is one of them with q > 0."""
-    x = rows[:40]
-    gen = torch.Generator().manual_seed(3)
-    ch = parallel_chain(drafter, x, sampling, gen, QuantizedHead(drafter.head))
-    assert ch.q_ids.shape == (40, 16) and ch.q_probs.dtype == torch.float64
-    z = torch.gather(x @ drafter.head.T, 1, ch.q_ids).float()  # [40, 16] exact scores
-    ref = torch.stack([filter_probs(z[i], sampling) for i in range(40)])
-    assert torch.allclose(ch.q_probs, ref, atol=1e-6)
-    assert torch.allclose(ch.q_probs.sum(-1), torch.ones(40, dtype=torch.float64))
-    for i in range(40):
-        j = (ch.q_ids[i] == ch.tokens[i]).nonzero()
-        assert j.numel() == 1 and ch.q_probs[i, j[0, 0]] > 0
+def test_dflash_greedy_proposals_match_reference_and_sampled_q_is_dense(tiny256):
+    """Greedy: the candidate-pass argmax equals the full-vocabulary argmax of the reference
+    proposer, block by block; sampled: dense q over all V tokens (spec section 10)."""
+    from dspine.engine import Engine
+    d = random_drafter(tiny256, mode="dflash", block_size=8, seed=5, head_topk=16, coarse_k=64)
+    prompt = list(range(10, 40))
+    fast, ref = DrafterProposer(d), DrafterProposer(d, use_quantized_head=False)
+    blocks = []
+    for prop in (fast, ref):
+        eng = Engine(tiny256, prop, "dflash")
+        req = eng.start(prompt, SamplingConfig(), 24)
+        seen, orig = [], prop.propose
+        prop.propose = lambda *a, **k: seen.append(orig(*a, **k)) or seen[-1]
+        while not req.finished:
+            eng.step(req)
+        blocks.append([p.tokens.tolist() for p in seen])
+    assert blocks[0] == blocks[1] and len(blocks[0]) > 2
+    state = fast.new_state(prompt)
+    fast.commit(state, torch.randn(len(prompt) - 1, d.fc.in_features), 0)
+    p = fast.propose(state, prompt[-1], len(prompt) - 1, 7, SamplingConfig(temperature=0.8, seed=1),
+                     torch.Generator().manual_seed(1))
+    assert p.q_ids is None and p.q_probs.shape == (7, tiny256.vocab_size)
 
 
 def test_dflash_proposer_uses_shared_candidate_pass(tiny256):

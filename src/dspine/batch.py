@@ -39,7 +39,7 @@ import torch
 
 from .config import SamplingConfig
 from .draft import DrafterProposer, Proposal, dense_proposal
-from .final_stage import candidates, chain, conditional_tables, parallel_chain
+from .final_stage import candidates, chain, conditional_tables, parallel_argmax
 from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request
 from .sampling import sample_token
 from .verify import Verdict, verify
@@ -501,11 +501,10 @@ def _propose_drafter_batch(prop: DrafterProposer, reqs: list[Request], positions
             res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
                                 final_s=shared + time.perf_counter() - tc))
         return res
-    if prop.qhead is not None:  # DFlash-style with the shared candidate pass (sparse q)
+    if prop.qhead is not None and all(r.sampling.greedy for r in reqs):  # argmax via the candidate pass
         x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
-        for j, r in enumerate(reqs):
-            ch = parallel_chain(d, x[j, : ns[j]], r.sampling, r.gen, prop.qhead)
-            res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs))
+        toks = parallel_argmax(d, x.reshape(b * nmax, -1), prop.qhead).view(b, nmax)
+        res = [Proposal(toks[j, : ns[j]].cpu()) for j in range(b)]
     else:
         z = d.logits(out.h[:, 0, 1:nmax + 1]).float()  # [b, nmax, V]
         for j, r in enumerate(reqs):

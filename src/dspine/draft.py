@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, DSpineConfig, SamplingConfig
-from .final_stage import QuantizedHead, candidates, chain, conditional_tables, parallel_chain
+from .final_stage import QuantizedHead, candidates, chain, conditional_tables, parallel_argmax
 from .model import DSpineDrafter
 from .sampling import filter_probs, sample_index, uniform
 
@@ -122,11 +122,10 @@ class DrafterProposer(Proposer):
     """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
 
     def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True):
-        """``use_quantized_head``: candidates from the int8/fp8 coarse head (both modes).
-
-        False is the reference path: exact head over the full vocabulary; for the
-        DFlash-style drafter that is the full-vocabulary argmax (greedy) and the dense
-        filtered q over all V tokens (sampled).
+        """``use_quantized_head``: candidates from the int8/fp8 coarse head (DSpine's final
+        stage, and the DFlash-style greedy argmax). False is the reference path: exact
+        head over the full vocabulary. Sampled DFlash-style proposals always use the
+        dense filtered q over all V tokens (spec section 10).
         """
         self.drafter = drafter.eval()
         self.cfg = drafter.cfg
@@ -168,9 +167,9 @@ class DrafterProposer(Proposer):
             ch = chain(T, cand, n, sampling, gen)
             t2 = time.perf_counter()
             return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
-        if self.qhead is not None:  # same candidate pass as the final stage, sparse q
-            ch = parallel_chain(d, d.norm_f(out.h[0, 0, 1:n + 1]), sampling, gen, self.qhead)
-            return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=time.perf_counter() - t0)
+        if sampling.greedy and self.qhead is not None:  # argmax via the shared candidate pass
+            toks = parallel_argmax(d, d.norm_f(out.h[0, 0, 1:n + 1]), self.qhead)
+            return Proposal(toks.cpu(), draft_s=time.perf_counter() - t0)
         return dense_proposal(d.logits(out.h[0, 0, 1:n + 1]).float(), sampling, gen, t0)
 
 

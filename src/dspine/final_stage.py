@@ -9,10 +9,10 @@
 4. Chain: greedy argmax, or sampled from ``q_i`` = filtered softmax of the row in FP64;
    the sampled path returns the sparse q (candidate ids + probabilities).
 
-The DFlash-style baseline (no bridge, no final stage) uses the same candidate pass
-(:func:`parallel_chain`): each row independently takes its exact-rescored best
-candidate (greedy) or samples from the sparse q over its K candidates, so both
-drafters pay the same head cost (project choice, docs/decisions.md).
+The greedy DFlash-style baseline (no bridge, no final stage) takes its argmax through
+the same candidate pass (:func:`parallel_argmax`), so both drafters pay the same head
+cost for greedy drafting (docs/decisions.md); sampled, it keeps the dense q of spec
+section 10.
 """
 from __future__ import annotations
 
@@ -137,31 +137,14 @@ def chain(T: torch.Tensor, cand: torch.Tensor, n: int, sampling: SamplingConfig,
     return Chain(tokens, cand[:n].clone(), torch.stack(qs))
 
 
-def parallel_chain(drafter: DSpineDrafter, x: torch.Tensor, sampling: SamplingConfig,
-                   gen: torch.Generator | None, qhead: QuantizedHead | None) -> Chain:
-    """Independent proposals per row (DFlash-style drafter): x [n, d] normed states.
+def parallel_argmax(drafter: DSpineDrafter, x: torch.Tensor, qhead: QuantizedHead | None) -> torch.Tensor:
+    """Greedy DFlash-style proposals: argmax of the continuous logits ``H . x_i`` per row.
 
-    Greedy: ``y_i`` = best of the candidates (coarse top-``coarse_k`` by ``qhead``,
-    exact rescoring), i.e. the exact argmax of ``H . x_i`` whenever it lies in the
-    coarse pool; without ``qhead`` the exact argmax over the full vocabulary.
-    Sampled: ``q_i = filter_probs(exact scores of the top-K candidates)`` (float64,
-    sparse q as in spec section 4) and ``y_i ~ q_i``; one uniform per row from ``gen``.
-    Returns a :class:`Chain` (tokens [n] int64; q_ids [n, K] / q_probs [n, K] when sampled).
+    x [n, d] normed states -> [n] int64. With ``qhead`` the argmax is taken over the
+    exact-rescored coarse pool (the candidate pass above), which is the exact argmax
+    whenever it lies in the top-``coarse_k`` of the quantized scores; without it, over
+    the full vocabulary. Proposals never decide the output (the target verifies).
     """
-    n = x.shape[0]
-    cfg = drafter.cfg
-    if sampling.greedy:
-        if n == 0:
-            return Chain(x.new_zeros(0, dtype=torch.long), None, None)
-        return Chain(candidates(drafter, x, 1, cfg.coarse_k, qhead)[:, 0], None, None)
-    cand = candidates(drafter, x, cfg.head_topk, cfg.coarse_k, qhead)  # [n, K]
-    z = torch.einsum("nd,nkd->nk", x, drafter.head[cand].to(x.dtype)).float()  # [n, K] exact scores
-    toks, qs = [], []
-    for i in range(n):
-        q = filter_probs(z[i], sampling)  # [K] float64
-        j = sample_index(q, uniform(gen))
-        toks.append(cand[i, j])
-        qs.append(q)
-    if n == 0:
-        return Chain(cand.new_zeros(0), None, None)
-    return Chain(torch.stack(toks), cand.clone(), torch.stack(qs))
+    if x.shape[0] == 0:
+        return x.new_zeros(0, dtype=torch.long)
+    return candidates(drafter, x, 1, drafter.cfg.coarse_k, qhead)[:, 0]
