@@ -227,6 +227,45 @@ def test_feature_store_matches_online_features_and_refuses_other_data(tmp_path):
         FeatureStore(tmp_path / "nothing", tg, cfg.feature_layers, seqs, 48)
 
 
+def test_feature_store_reuses_rows_of_an_older_store_after_the_data_grew(tmp_path, monkeypatch):
+    import json as _json
+
+    import dspine.train.feature_store as FS
+
+    tg = load_target("random:llama", vocab_size=256)
+    cfg = _cfg(tg)
+    seqs = _seqs(n=8)
+    old, grown = seqs[:5], seqs[:3] + seqs[5:] + seqs[3:5]  # grown data, another order
+    FS.build_feature_store(tg, cfg.feature_layers, old, 48, tmp_path / "old", progress=False)
+    calls = []
+    import dspine.train.losses as L
+    real = L.collate
+    monkeypatch.setattr(L, "collate", lambda b, m: calls.append(len(b)) or real(b, m))
+    for k in range(2):
+        FS.build_feature_store(tg, cfg.feature_layers, grown, 48, tmp_path / "new", k, 2, progress=False,
+                               reuse=[tmp_path / "old"])
+    assert sum(calls) == 3  # only the 3 new sequences ran through the target
+    new = FS.FeatureStore(tmp_path / "new", tg, cfg.feature_layers, grown, 48)
+    ref = FS.FeatureStore(tmp_path / "old", tg, cfg.feature_layers, old, 48)
+    fresh_dir = tmp_path / "fresh"
+    FS.build_feature_store(tg, cfg.feature_layers, grown, 48, fresh_dir, progress=False)
+    fresh = FS.FeatureStore(fresh_dir, tg, cfg.feature_layers, grown, 48)
+    assert len(new) == 8
+    assert torch.equal(new.get(0), ref.get(0)) and torch.equal(new.get(6), ref.get(3))  # copied rows
+    for i in range(8):  # and they are what a fresh build computes (bf16, batch-shape numerics)
+        assert torch.allclose(new.get(i).float(), fresh.get(i).float(), atol=0.05, rtol=0.02)
+    # a store for other settings, or one without sequence hashes, is refused by name
+    with pytest.raises(FS.FeatureStoreError, match=r"--reuse .*max_len"):
+        FS.build_feature_store(tg, cfg.feature_layers, grown, 40, tmp_path / "x", progress=False,
+                               reuse=[tmp_path / "old"])
+    idx = tmp_path / "old" / "shard-0.idx.jsonl"
+    recs = [_json.loads(l) for l in idx.read_text().splitlines()]
+    idx.write_text("".join(_json.dumps({k: r[k] for k in ("i", "offset", "len")}) + "\n" for r in recs))
+    with pytest.raises(FS.FeatureStoreError, match="no sequence hashes"):
+        FS.build_feature_store(tg, cfg.feature_layers, grown, 48, tmp_path / "y", progress=False,
+                               reuse=[tmp_path / "old"])
+
+
 def test_feature_store_damage_is_detected_or_repaired(tmp_path):
     import json as _json
 

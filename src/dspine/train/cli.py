@@ -238,7 +238,8 @@ def cmd_train_features(args) -> int:
     if bad:
         raise ValueError(f"--feature-layers {bad} do not exist in target {target.name!r} ({target.num_layers} layers)")
     seqs = _training_seqs(args.data, target)
-    wrote = build_feature_store(target, layers, seqs, args.max_len, args.out, k, n, args.batch_size)
+    wrote = build_feature_store(target, layers, seqs, args.max_len, args.out, k, n, args.batch_size,
+                                reuse=args.reuse)
     print(json.dumps({"out": args.out, "shard": args.shard, "written": wrote, "sequences": len(seqs)}))
     return 0
 
@@ -303,6 +304,9 @@ def add_train_parser(sub) -> None:
                    help="default: the target's default feature layers (as `dspine train --config small`)")
     f.add_argument("--shard", default="0/1", help="k/N: this process computes sequences i %% N == k")
     f.add_argument("--batch-size", type=positive_int, default=4)
+    f.add_argument("--reuse", nargs="+", default=None, metavar="STORE",
+                   help="older feature stores of the same target/layers/max-len: copy the rows of "
+                        "sequences they hold instead of recomputing (after growing the data)")
     f.add_argument("--threads", type=nonneg_int, default=0)
     f.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     f.set_defaults(func=cmd_train_features)

@@ -10,8 +10,12 @@ between concurrent runs). Sequences missing from the store are still computed on
 Layout of DIR: ``store.json`` (target, feature layers, width, dtype, max_len and a
 fingerprint of the token ids) and per shard ``shard-K.bin`` (raw bfloat16 rows
 [tokens, F*d], sequences back to back) with ``shard-K.idx.jsonl`` (one
-``{"i", "offset", "len"}`` record per sequence, written after its rows: a crash
-never leaves an indexed sequence half-written).
+``{"i", "offset", "len", "h"}`` record per sequence, written after its rows: a crash
+never leaves an indexed sequence half-written; ``h`` is :func:`seq_hash` of its ids).
+
+Data grows (``dspine data build --resume``) and the fingerprint changes with it; a new
+store built with ``reuse=[OLD_DIR]`` (``dspine train-features --reuse``) copies the rows
+of every sequence whose ``h`` it finds in the old store instead of recomputing them.
 """
 from __future__ import annotations
 
@@ -36,6 +40,11 @@ def data_fingerprint(seqs: list[tuple[list[int], int]], max_len: int) -> str:
         h.update(np.asarray(s[:max_len], dtype=np.int32).tobytes())
         h.update(b"|")
     return h.hexdigest()[:32]
+
+
+def seq_hash(ids: list[int], max_len: int) -> str:
+    """Content key of one sequence: sha256 of its first ``max_len`` ids (int32), 20 hex."""
+    return hashlib.sha256(np.asarray(ids[:max_len], dtype=np.int32).tobytes()).hexdigest()[:20]
 
 
 def canonical_indices(seqs: list[tuple[list[int], int]], max_len: int) -> list[int]:
@@ -91,7 +100,7 @@ def read_index(idx: Path, n_seqs: int, lengths: list[int] | None = None) -> tupl
         if lengths is not None and n != lengths[i]:
             raise FeatureStoreError(f"{idx}: line {ln}: sequence {i} has {lengths[i]} tokens, the index says "
                                     f"{n} (corrupt store)")
-        recs.append({"i": i, "offset": off, "len": n})
+        recs.append({"i": i, "offset": off, "len": n, "h": r.get("h")})
     good = len(raw) - len(tail)
     return recs, good
 
@@ -150,21 +159,64 @@ class FeatureStore:
         return torch.from_numpy(a).view(torch.bfloat16)
 
 
+class _Reuse:
+    """Rows of older stores by sequence hash (for ``build_feature_store(reuse=...)``)."""
+
+    def __init__(self, dirs, meta: dict):
+        self.rows: dict[str, tuple[np.memmap, int, int]] = {}  # h -> (map, offset, len)
+        for d in dirs:
+            d = Path(d)
+            f = d / "store.json"
+            if not f.is_file():
+                raise FeatureStoreError(f"--reuse {d}: no store.json (not a feature store)")
+            have = _read_json(f)
+            keys = ("target", "feature_layers", "width", "dtype", "max_len")
+            diff = _diff(have, {k: meta[k] for k in keys})
+            if diff:
+                raise FeatureStoreError(f"--reuse {d} was built for other settings: {diff}")
+            for idx in sorted(d.glob("shard-*.idx.jsonl")):
+                binf = idx.with_name(idx.name.replace(".idx.jsonl", ".bin"))
+                nrows = binf.stat().st_size // (2 * meta["width"]) if binf.exists() else 0
+                recs, _ = read_index(idx, int(have.get("n_seqs", 0)))
+                if any(r["h"] is None for r in recs):
+                    raise FeatureStoreError(f"--reuse {d}: {idx.name} has no sequence hashes (a store "
+                                            f"written before they were recorded); it cannot be reused")
+                if not recs or not nrows:
+                    continue
+                m = np.memmap(binf, dtype=np.int16, mode="r", shape=(nrows, meta["width"]))
+                for r in recs:
+                    if r["offset"] + r["len"] > nrows:
+                        raise FeatureStoreError(f"{binf}: index points past the end of the file (corrupt store)")
+                    self.rows.setdefault(r["h"], (m, r["offset"], r["len"]))
+
+    def get(self, h: str, n: int) -> np.ndarray | None:
+        """int16 bit patterns [n, width] of the sequence with hash ``h``, or None."""
+        hit = self.rows.get(h)
+        if hit is None or hit[2] != n:
+            return None
+        m, off, _ = hit
+        return np.asarray(m[off:off + n])
+
+
 @torch.no_grad()
 def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | Path, shard: int = 0,
-                        num_shards: int = 1, batch_size: int = 4, progress: bool = True) -> int:
+                        num_shards: int = 1, batch_size: int = 4, progress: bool = True,
+                        reuse: list[str | Path] | None = None) -> int:
     """Compute features of the sequences ``i % num_shards == shard`` into ``out``.
 
     Resumable: sequences already indexed in any shard are skipped (so the shard count
     may change between runs); a torn index tail or rows written after the last indexed
-    sequence are dropped. Returns the number of sequences written now. The target runs
-    in bfloat16 with the same forward as online training features (teacher forcing,
-    ``hidden_states[l + 1]`` of each feature layer).
+    sequence are dropped. Returns the number of sequences written now (computed or
+    reused). The target runs in bfloat16 with the same forward as online training
+    features (teacher forcing, ``hidden_states[l + 1]`` of each feature layer).
+    ``reuse``: older store directories (same target, layers, width, max_len); rows of a
+    sequence with the same token ids (:func:`seq_hash`) are copied, not recomputed.
 
     Raises:
         ValueError: ``max_len`` < 4, ``batch_size`` < 1, bad shard, or ``out`` is a file.
         FeatureStoreError: ``out`` holds a store for other settings, or a corrupt one
-            (an index pointing past the end of its shard file).
+            (an index pointing past the end of its shard file); a ``reuse`` store for
+            other settings or without sequence hashes.
     """
     from ..data.build import cpu_speed_patches
     from .losses import collate
@@ -214,11 +266,30 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
     canon = canonical_indices(seqs, max_len)
     todo = [i for i in range(len(seqs)) if i % num_shards == shard and canon[i] == i and i not in done]
     todo.sort(key=lambda i: len(seqs[i][0]))  # similar lengths per batch: less padding
+    old = _Reuse(reuse, meta) if reuse else None
+    copied = 0
     if target.dtype != torch.bfloat16:
         target.model.to(torch.bfloat16)
         target.dtype = torch.bfloat16
     bar = tqdm(total=len(todo), desc=f"features shard {shard}/{num_shards}", disable=not progress)
     with open(binf, "ab") as fb, open(idxf, "a") as fi, cpu_speed_patches(target.model):
+        if old is not None:
+            left = []
+            for i in todo:
+                a = old.get(seq_hash(seqs[i][0], max_len), lengths[i])
+                if a is None:
+                    left.append(i)
+                    continue
+                fb.write(a.tobytes())
+                fb.flush()
+                fi.write(json.dumps({"i": i, "offset": rows, "len": lengths[i],
+                                     "h": seq_hash(seqs[i][0], max_len)}) + "\n")
+                rows += lengths[i]
+                copied += 1
+                bar.update(1)
+            fi.flush()
+            todo = left
+            bar.set_postfix(reused=copied)
         for s in range(0, len(todo), batch_size):
             chunk = todo[s:s + batch_size]
             batch = collate([seqs[i] for i in chunk], max_len)
@@ -229,11 +300,11 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
             for k, i in enumerate(chunk):
                 n = int(batch.valid[k].sum())
                 fb.write(f[k, :n].contiguous().view(torch.int16).numpy().tobytes())
-                recs.append({"i": i, "offset": rows, "len": n})
+                recs.append({"i": i, "offset": rows, "len": n, "h": seq_hash(seqs[i][0], max_len)})
                 rows += n
             fb.flush()
             fi.write("".join(json.dumps(r) + "\n" for r in recs))
             fi.flush()
             bar.update(len(chunk))
     bar.close()
-    return len(todo)
+    return len(todo) + copied
