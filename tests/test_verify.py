@@ -236,6 +236,37 @@ def test_filter_probs_matches_references_random():
     assert torch.equal(filter_probs(L, cfg), torch.stack([filter_probs(r, cfg) for r in L]))
 
 
+def _sorted_top_p_keep(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference nucleus mask: full stable descending sort (the implementation before
+    the partial sort)."""
+    sp, idx = torch.sort(p, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sp, dim=-1) - sp
+    return torch.zeros_like(sp, dtype=torch.bool).scatter(-1, idx, before < top_p)
+
+
+@pytest.mark.parametrize("first", [1, 3, 1024])
+def test_partial_sort_top_p_equals_full_sort(first):
+    """top_p_keep sorts only the top values (growing x8): same set as the full stable sort,
+    boundary ties included, from small vocabularies to a 49k one with many exact ties."""
+    from dspine.sampling import top_p_keep
+
+    rng = random.Random(first)
+    g = torch.Generator().manual_seed(first)
+    for case in range(200):
+        V = rng.choice([1, 2, 5, 17, 64, 300])
+        z = torch.randn(3, V, generator=g, dtype=torch.float64) * rng.choice([0.5, 2.0, 6.0])
+        if case % 2:
+            z = torch.round(z)  # many exact ties
+        prob = torch.softmax(z, -1)
+        tp = rng.choice([0.05, 0.3, 0.5, 0.9, 0.95, 0.999])
+        assert torch.equal(top_p_keep(prob, tp, first), _sorted_top_p_keep(prob, tp)), (case, V, tp)
+    z = torch.round(torch.randn(4, 49152, generator=g, dtype=torch.float64) * 3)  # ties at every value
+    for T in (0.3, 1.0, 3.0):
+        prob = torch.softmax(z / T, -1)
+        for tp in (0.5, 0.9, 0.95):
+            assert torch.equal(top_p_keep(prob, tp, first), _sorted_top_p_keep(prob, tp)), (T, tp)
+
+
 def test_top_k_keeps_ties():
     logits = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0, 0.0])
     for k, support in [(1, {1, 2, 4}), (2, {1, 2, 4}), (3, {1, 2, 4}), (4, {1, 2, 3, 4}), (6, set(range(6)))]:

@@ -33,17 +33,37 @@ def filter_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))  # ties at the k-th value are kept
     p = torch.softmax(x, dim=-1)  # [..., N]
     if cfg.top_p < 1.0:
-        sp, idx = torch.sort(p, dim=-1, descending=True, stable=True)
-        before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each sorted entry
-        drop_sorted = before >= cfg.top_p  # keep the smallest prefix reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        p = p.masked_fill(drop, 0.0)
+        p = p.masked_fill(~top_p_keep(p, cfg.top_p), 0.0)
         p = p / p.sum(-1, keepdim=True)
     if cfg.min_p > 0.0:
         pmax = p.max(dim=-1, keepdim=True).values
         p = p.masked_fill(p < cfg.min_p * pmax, 0.0)
         p = p / p.sum(-1, keepdim=True)
     return p
+
+
+def top_p_keep(p: torch.Tensor, top_p: float, first: int = 1024) -> torch.Tensor:
+    """Nucleus set: mask [..., N] bool of the smallest prefix of the descending stable
+    order of ``p`` [..., N] (float64) whose mass strictly before each kept entry is
+    < ``top_p``; ties at the boundary are kept in index order (as a stable sort would).
+
+    Same set as sorting all N entries, but only the top ``first`` values are sorted
+    (x8 until the nucleus fits): on a 49k vocabulary ~10x cheaper than a full sort.
+    """
+    n = p.shape[-1]
+    m = min(n, first)
+    while True:
+        v = torch.topk(p, m, dim=-1).values  # [..., m] descending values (tie order irrelevant)
+        before = torch.cumsum(v, dim=-1) - v  # mass strictly before each sorted entry
+        c = (before < top_p).sum(-1, keepdim=True)  # [..., 1] kept count (a prefix: before is nondecreasing)
+        if m == n or bool((c < m).all()):
+            break
+        m = min(n, m * 8)
+    t = torch.gather(v, -1, c - 1)  # [..., 1] smallest kept value
+    greater = p > t
+    eq = p == t
+    room = c - greater.sum(-1, keepdim=True)  # how many entries equal to t are kept
+    return greater | (eq & (torch.cumsum(eq.long(), dim=-1) <= room))
 
 
 def uniform(gen: torch.Generator | None) -> float:
