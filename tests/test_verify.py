@@ -82,6 +82,33 @@ def test_sparse_and_dense_q_identical_decisions():
     assert min(outcomes.values()) >= 15, outcomes
 
 
+def test_lazy_row_filtering_equals_filtering_all_rows():
+    """verify_sampling filters p_i only when it examines position i; the verdicts and the
+    uniforms consumed equal those with all rows filtered up front (the p= argument), on a
+    vocabulary large enough for the partial-sort top-p path."""
+    from dspine.verify import verify_sampling
+
+    rng = random.Random(7)
+    seen = set()
+    for case in range(60):
+        V, n = 3000, rng.choice([1, 4, 15])
+        cfg = SamplingConfig(temperature=rng.choice([0.5, 1.0]), top_p=rng.choice([1.0, 0.9, 0.95]),
+                             top_k=rng.choice([0, 0, 40]), min_p=rng.choice([0.0, 0.05]))
+        g = torch.Generator().manual_seed(case)
+        logits = torch.randn(n + 1, V, generator=g) * 4.0
+        full = filter_probs(logits, cfg)  # [n+1, V]
+        assert all(torch.equal(filter_probs(logits[i], cfg), full[i]) for i in range(n + 1))  # bitwise
+        q = filter_probs(logits[:n] + torch.randn(n, V, generator=g), cfg)  # a drafter's dense q
+        tokens = torch.tensor([sample_index(q[i], rng.random()) for i in range(n)])
+        g1, g2 = make_generator(case), make_generator(case)
+        lazy = verify_sampling(tokens, q, None, logits, cfg, g1)
+        eager = verify_sampling(tokens, q, None, logits, cfg, g2, p=full)
+        assert lazy == eager, case
+        assert uniform(g1) == uniform(g2)
+        seen.add(lazy.accepted == n)
+    assert seen == {True, False}  # both the bonus and the correction path ran
+
+
 def test_uniform_consumption_order():
     """One uniform per examined position, then one for the correction or bonus."""
     logits = torch.tensor([[0.0, 3.0, 1.0, 0.0, 0.0, 0.0]] * 4)
