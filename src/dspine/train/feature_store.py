@@ -276,14 +276,14 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
         if old is not None:
             left = []
             for i in todo:
-                a = old.get(seq_hash(seqs[i][0], max_len), lengths[i])
+                h = seq_hash(seqs[i][0], max_len)
+                a = old.get(h, lengths[i])
                 if a is None:
                     left.append(i)
                     continue
                 fb.write(a.tobytes())
                 fb.flush()
-                fi.write(json.dumps({"i": i, "offset": rows, "len": lengths[i],
-                                     "h": seq_hash(seqs[i][0], max_len)}) + "\n")
+                fi.write(json.dumps({"i": i, "offset": rows, "len": lengths[i], "h": h}) + "\n")
                 rows += lengths[i]
                 copied += 1
                 bar.update(1)
