@@ -322,6 +322,7 @@ def test_train_command_end_to_end(tmp_path, capsys):
     card = json.loads((run / "final" / "card.json").read_text())
     assert card["steps"] == 2 and card["train_config"]["device"] == "cpu"
     assert card["heldout_acceptance_greedy_fp32"]["n_code"] == 1
+    assert card["train_config"]["eval_prompts"] == 1  # the card records the --eval-prompts used
     assert load_drafter(run / "final", load_target("random:llama")).cfg.block_size == 4
     capsys.readouterr()
     assert main(base + ["--steps", "3"]) == 2

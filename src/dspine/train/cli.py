@@ -139,13 +139,13 @@ def cmd_train(args) -> int:
     cfg = _drafter_config(args, target)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                      max_len=args.max_len, lr=args.lr, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
-                     eval_every=args.eval_every, vocab_subset=args.vocab_subset,
+                     eval_every=args.eval_every, eval_prompts=args.eval_prompts, vocab_subset=args.vocab_subset,
                      feature_dtype=args.feature_dtype,
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
                      memo_features=not args.no_memo_features, device=str(device))
 
     def eval_fn(model):  # periodic signal: the target is in --feature-dtype while training
-        return measure_acceptance(target, model, n=args.eval_prompts, max_new_tokens=48)
+        return measure_acceptance(target, model, n=tc.eval_prompts, max_new_tokens=tc.eval_max_new_tokens)
 
     store = None
     if args.feature_store:

@@ -50,7 +50,7 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 0  # 0 = only at the end
     eval_prompts: int = 4
-    eval_max_new_tokens: int = 48
+    eval_max_new_tokens: int = 48  # periodic evaluation; the final held-out measurement uses 64
     feature_dtype: str = "bfloat16"
     autocast_bf16: bool = False
     memo_features: bool = True  # keep each sequence's target features in RAM once computed
