@@ -249,9 +249,28 @@ def test_measure_cost_is_cached_and_monotone(tiny256):
     assert len(c1.verify_s) == 8 and c1.n_max == 7
     assert all(b >= a > 0 for a, b in zip(c1.verify_s, c1.verify_s[1:]))
     assert c1.draft_s > 0 and c1.final_per_row_s >= 0
+    # proposal cost per verification length (DSpine drafts n + 1 rows): measured, monotone
+    assert len(c1.propose_s) == 8 and c1.propose_s[0] == 0.0 and c1.propose_s[1] > 0
+    assert all(b >= a for a, b in zip(c1.propose_s, c1.propose_s[1:]))
+    assert c1.cycle_s(3) == c1.verify_s[3] + c1.propose_s[3]
     assert measure_cost(tiny256, prop, n_max=7, context=32, repeats=1) is c1
     assert CostCurve.from_dict(c1.to_dict()) == c1
     assert c1.cycle_s(0) == c1.verify_s[0] < c1.cycle_s(3)
+
+
+def test_cheap_short_proposals_make_short_verification_pay():
+    """With a proposal cost that grows with n, the policy picks a short n where a flat
+    full-block draft cost would make drafting not pay at all."""
+    verify = [1.0 + 0.06 * n for n in range(16)]
+    conf = [0.45] * 15
+    flat = CostModelPolicy(CostCurve(verify, draft_s=0.6), explore_every=0)
+    scaled = CostModelPolicy(CostCurve(verify, draft_s=0.6, propose_s=[0.0] + [0.03 + 0.02 * n for n in range(1, 16)]),
+                             explore_every=0)
+    assert flat.choose(conf, 15) == 0
+    n = scaled.choose(conf, 15)
+    assert 1 <= n <= 4
+    e = scaled.expected_tokens(conf)
+    assert e[n] / scaled.cost.cycle_s(n) > 1.0 / verify[0]  # faster than the plain step
 
 
 # -- greedy equality ------------------------------------------------------------------------

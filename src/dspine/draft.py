@@ -154,7 +154,10 @@ class DrafterProposer(Proposer):
         dev = d.fc.weight.device
         kv, cpos, cvalid = state.as_batch()
         a = torch.tensor([[anchor]], device=dev)
-        out = d.forward_blocks(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid)
+        # a block-causal drafter runs only the rows it proposes from (same values as the
+        # full block, model.forward_blocks); a short verification length costs less
+        rows = max(1, n + 1) if self.cfg.block_causal else None
+        out = d.forward_blocks(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
         t1 = time.perf_counter()
         if n == 0:
             return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)

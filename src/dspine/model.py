@@ -198,21 +198,22 @@ class DSpineDrafter(nn.Module):
         return [layer.context_kv(f, pos) for layer in self.layers]
 
     # -- block forward ----------------------------------------------------------------
-    def block_input(self, anchors: torch.Tensor) -> torch.Tensor:
-        """Row 0 = target embedding of the anchor, rows 1..B-1 = mask embedding.
+    def block_input(self, anchors: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """Row 0 = target embedding of the anchor, rows 1..R-1 = mask embedding.
 
-        anchors [b, nb] int64 -> [b, nb, B, d].
+        anchors [b, nb] int64 -> [b, nb, R, d] with R = ``rows`` (default: block size B).
         """
-        B = self.cfg.block_size
+        B = rows or self.cfg.block_size
         e0 = self.embed(anchors)  # [b, nb, d]
         h = self.mask_embed.to(e0.dtype).expand(*anchors.shape, B, e0.shape[-1]).clone()
         h[:, :, 0] = e0
         if self.row_embed is not None:
-            h = h + self.row_embed.to(e0.dtype)
+            h = h + self.row_embed[:B].to(e0.dtype)
         return h
 
-    def block_mask(self, anchor_pos: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
-        """Attention mask [b, nb*B, T + nb*B] (True = attend).
+    def block_mask(self, anchor_pos: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
+                   rows: int | None = None) -> torch.Tensor:
+        """Attention mask [b, nb*R, T + nb*R] (True = attend), R = ``rows`` (default B).
 
         Context key t is visible to a block whose anchor sits at position a when
         ``ctx_valid`` and ``a - window <= pos_t < a``; inside a block, row i sees rows
@@ -220,7 +221,7 @@ class DSpineDrafter(nn.Module):
         anchor_pos [b, nb], ctx_pos [b, T], ctx_valid [b, T] bool.
         """
         b, nb = anchor_pos.shape
-        B, W = self.cfg.block_size, self.cfg.window
+        B, W = rows or self.cfg.block_size, self.cfg.window
         a = anchor_pos[:, :, None]  # [b, nb, 1]
         t = ctx_pos[:, None, :]  # [b, 1, T]
         cm = ctx_valid[:, None, :] & (t < a) & (t >= a - W)  # [b, nb, T]
@@ -244,17 +245,30 @@ class DSpineDrafter(nn.Module):
 
     def forward_blocks(self, anchors: torch.Tensor, anchor_pos: torch.Tensor,
                        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_pos: torch.Tensor,
-                       ctx_valid: torch.Tensor) -> BlockOutput:
+                       ctx_valid: torch.Tensor, rows: int | None = None) -> BlockOutput:
         """Run all layers over blocks.
 
         anchors, anchor_pos: [b, nb] int64 (anchor token and its absolute position);
         ctx_kv: per layer (k, v) [b, kv, T, hd]; ctx_pos [b, T]; ctx_valid [b, T] bool.
+        ``rows``: run only the first R <= B rows of each block (outputs [b, nb, R, ...]).
+        In a block-causal drafter (DSpine) rows never read later rows (causal attention,
+        the bridge passes messages from row i-1 to row i only), so these R rows equal the
+        first R rows of the full block; a drafter with a bidirectional block (DFlash-style)
+        must run all B rows.
+
+        Raises:
+            ValueError: ``rows`` outside 1..B, or R < B for a bidirectional block.
         """
         b, nb = anchors.shape
-        B = self.cfg.block_size
-        h = self.block_input(anchors)  # [b, nb, B, d]
+        B = self.cfg.block_size if rows is None else int(rows)
+        if not 1 <= B <= self.cfg.block_size:
+            raise ValueError(f"rows must be in 1..{self.cfg.block_size}, got {rows}")
+        if B < self.cfg.block_size and not self.cfg.block_causal:
+            raise ValueError("a bidirectional block (DFlash-style) reads every row: it cannot run "
+                             f"{B} of {self.cfg.block_size} rows")
+        h = self.block_input(anchors, B)  # [b, nb, B, d]
         pos = (anchor_pos[:, :, None] + torch.arange(B, device=anchors.device)).reshape(b, nb * B)
-        mask = self.block_mask(anchor_pos, ctx_pos, ctx_valid)
+        mask = self.block_mask(anchor_pos, ctx_pos, ctx_valid, B)
         h_pre, r, c = h, None, None
         for l, layer in enumerate(self.layers):
             h = layer(h.reshape(b, nb * B, -1), pos, ctx_kv[l][0], ctx_kv[l][1], mask).reshape(b, nb, B, -1)

@@ -23,8 +23,9 @@ Policies:
     requests this policy has seen (the workload's profile) and a prior ``prior_accept``;
   * ``C(n)`` is the cycle cost measured once on this machine (:func:`measure_cost`,
     cached per target/drafter/device/dtype): the target forward over n+1 tokens plus,
-    for n >= 1, the draft forward and the final stage's n serial steps. n = 0 is a
-    plain autoregressive step (no drafting).
+    for n >= 1, the cost of proposing n tokens (a block-causal drafter runs n+1 rows
+    and n serial final-stage steps, so a short verification also drafts cheaply). n = 0
+    is a plain autoregressive step (no drafting).
 
 A policy that *truncates the block after looking at which token was sampled* (e.g.
 dropping the first proposal equal to some token) is anticipating: the verified
@@ -74,14 +75,20 @@ class CostCurve:
     """Measured cycle cost on this machine, seconds.
 
     verify_s[n]: target forward over n+1 tokens (anchor + n proposals), n = 0..n_max.
-    draft_s: drafter forward per cycle (any n >= 1: all rows run together).
-    final_per_row_s: final stage cost per proposal (serial chain).
+    draft_s: drafter forward of a full block (n = n_max).
+    final_per_row_s: final stage cost of a full block divided by n_max.
+    propose_s[n]: measured cost of proposing n tokens (draft forward + final stage),
+        n = 0..n_max with propose_s[0] = 0, or None. A block-causal drafter runs only
+        n + 1 rows and its final stage n serial steps, so this grows with n; the
+        candidate pass has a fixed part. When None (synthetic curves), a proposal costs
+        ``draft_s + final_per_row_s * n``.
     """
 
     verify_s: list[float]
     draft_s: float = 0.0
     final_per_row_s: float = 0.0
     meta: dict = field(default_factory=dict)
+    propose_s: list[float] | None = None
 
     @property
     def n_max(self) -> int:
@@ -92,7 +99,7 @@ class CostCurve:
         n = min(n, self.n_max)
         c = self.verify_s[n]
         if n > 0:
-            c += self.draft_s + self.final_per_row_s * n
+            c += self.propose_s[n] if self.propose_s else self.draft_s + self.final_per_row_s * n
         return c
 
     def to_dict(self) -> dict:
@@ -142,9 +149,10 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
                  use_cache: bool = True) -> CostCurve:
     """Measure the cycle cost curve of ``target`` (+ ``proposer``) once and cache it.
 
-    Runs target forwards of n+1 tokens after a ``context``-token prefix at a few n
-    (median of ``repeats`` after a warm-up; other n interpolated), and one full
-    proposal of the proposer. The cache key is (target, drafter, device, dtype, n_max).
+    Runs target forwards of n+1 tokens after a ``context``-token prefix at a few n,
+    and proposals of n tokens at the same n >= 1 (each the median of ``repeats`` after a
+    warm-up; other n interpolated by a monotone fit). The cache key is (target,
+    drafter, device, dtype, n_max).
     """
     drafter = getattr(proposer, "drafter", None)
     key = (id(target.model), target.name, str(target.device), str(target.dtype), n_max,
@@ -175,20 +183,26 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
                 ts.append(dt)
         meas[n] = statistics.median(ts)
     draft_s = final_row = 0.0
+    propose_s = None
     if proposer is not None and n_max > 0:
         state = proposer.new_state(ids[0].tolist())
         if out.features is not None:
             proposer.commit(state, out.features[0], 0)
-        d, f = [], []
-        for r in range(repeats + 1):
-            p = proposer.propose(state, int(ids[0, -1]), context, n_max, SamplingConfig(), None)
-            if r:
-                d.append(p.draft_s)
-                f.append(p.final_s)
-        draft_s, final_row = statistics.median(d), statistics.median(f) / n_max
+        prop: dict[int, float] = {0: 0.0}
+        for n in pts[1:]:
+            d, f = [], []
+            for r in range(repeats + 1):
+                p = proposer.propose(state, int(ids[0, -1]), context, n, SamplingConfig(), None)
+                if r:
+                    d.append(p.draft_s)
+                    f.append(p.final_s)
+            prop[n] = statistics.median(d) + statistics.median(f)
+        draft_s, final_row = statistics.median(d), statistics.median(f) / n_max  # n = n_max
+        propose_s = _interp(prop, n_max)
     curve = CostCurve(_interp(meas, n_max), draft_s, final_row,
                       meta={"context": context, "repeats": repeats, "measured_n": pts,
-                            "device": str(target.device), "dtype": str(target.dtype)})
+                            "device": str(target.device), "dtype": str(target.dtype)},
+                      propose_s=propose_s)
     if use_cache:
         _COST_CACHE[key] = curve
     return curve
