@@ -208,6 +208,41 @@ def test_build_empty_prompt_file(tiny, tmp_path):
     assert not (tmp_path / "ds" / "manifest.json").exists()
 
 
+def test_build_refuses_prompt_files_with_the_same_name_and_notes_skipped_rows(tiny, tmp_path, capsys):
+    """Rows without an id are named <file name>:<line>: two files named p.jsonl would collide
+    (the second file's rows silently skipped), so that is refused; rows without a usable
+    prompt are reported with their line numbers."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d, text in (("a", "alpha"), ("b", "beta")):
+        (tmp_path / d / "p.jsonl").write_text(json.dumps({"prompt": f"say {text}"}) + "\n")
+    with pytest.raises(ValueError, match=r"same file name 'p'"):
+        B.build_dataset(tiny, [str(tmp_path / "a" / "p.jsonl"), str(tmp_path / "b" / "p.jsonl")],
+                        tmp_path / "ds", max_new_tokens=3, progress=False)
+    assert not (tmp_path / "ds").exists()
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in
+                             [{"prompt": "Say hi."}, {"text": "nope"}, {"prompt": 123}, {"prompt": "Name a color."}]))
+    capsys.readouterr()
+    man = B.build_dataset(tiny, [str(mixed)], tmp_path / "ds2", max_new_tokens=3, progress=False)
+    assert man["counts"]["prompts"] == 2
+    err = capsys.readouterr().err
+    assert "skipped 2 row(s)" in err and "line 2, 3" in err and err.count("skipped 2 row(s)") == 1
+
+
+def test_data_text_never_overwrites_a_dataset(tiny, tmp_path):
+    from dspine.data.text import build_text_dataset
+
+    out = tmp_path / "ds"
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 2))], out, max_new_tokens=3, progress=False)
+    before = (out / "data-00000.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="already holds a dataset"):
+        build_text_dataset(tiny, out, ["stdlib"], max_tokens=200, seq_len=64)
+    assert (out / "data-00000.jsonl").read_bytes() == before
+    man = build_text_dataset(tiny, tmp_path / "text", ["stdlib"], max_tokens=200, seq_len=64)
+    assert man["counts"]["finished"] == man["counts"]["prompts"] > 0
+
+
 def test_interrupted_build_is_not_complete_and_resumes(tiny, tmp_path, monkeypatch):
     src = str(_prompts(tmp_path / "a.jsonl", 6))
     out = tmp_path / "ds"

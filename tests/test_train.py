@@ -258,6 +258,7 @@ def test_feature_store_reuses_rows_of_an_older_store_after_the_data_grew(tmp_pat
     with pytest.raises(FS.FeatureStoreError, match=r"--reuse .*max_len"):
         FS.build_feature_store(tg, cfg.feature_layers, grown, 40, tmp_path / "x", progress=False,
                                reuse=[tmp_path / "old"])
+    assert not (tmp_path / "x").exists()  # --reuse is checked before anything is written
     idx = tmp_path / "old" / "shard-0.idx.jsonl"
     recs = [_json.loads(l) for l in idx.read_text().splitlines()]
     idx.write_text("".join(_json.dumps({k: r[k] for k in ("i", "offset", "len")}) + "\n" for r in recs))
@@ -329,3 +330,40 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     assert main(base + ["--steps", "3", "--resume"]) == 0
     assert json.loads((run / "final" / "card.json").read_text())["steps"] == 3
+
+
+def test_diverging_training_stops_with_an_error_naming_lr(tmp_path):
+    """NaN/inf loss or gradients stop training before the step is applied (no final
+    checkpoint of NaN weights); --lr must be a finite number > 0."""
+    from dspine.train.loop import TrainingDiverged
+
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(n=4), tmp_path / "run",
+                 TrainConfig(steps=3, batch_size=2, anchors_per_seq=2, max_len=48, save_every=1, warmup=0))
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    tr.model.fc.weight.data[0, 0] = float("nan")  # poison: the loss becomes NaN
+    with pytest.raises(TrainingDiverged, match="--lr"):
+        tr.run()
+    assert not (tmp_path / "run" / "final").exists()
+    assert torch.isnan(tr.model.fc.weight[0, 0])
+    assert all(torch.equal(v, before[k]) for k, v in tr.model.state_dict().items() if k != "fc.weight")
+    for bad in (float("inf"), 0.0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match="--lr"):
+            TrainConfig(lr=bad)
+
+
+def test_training_data_with_ids_outside_the_vocabulary_is_refused(tmp_path):
+    import json as _json
+
+    from dspine.cli import main
+    from dspine.train.cli import _training_seqs
+
+    data = tmp_path / "text"
+    assert main(["data", "text", "--target", "random:llama", "--sources", "stdlib", "--out", str(data),
+                 "--max-tokens", "300", "--seq-len", "64"]) == 0
+    f = data / "data-00000.jsonl"
+    rows = [_json.loads(l) for l in f.read_text().splitlines()]
+    rows[1]["response_ids"][2] = 999999
+    f.write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"row 1 holds token id 999999"):
+        _training_seqs([str(data)], load_target("random:llama"), 64)

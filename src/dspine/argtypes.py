@@ -37,3 +37,14 @@ def port_number(text: str) -> int:
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port 0..65535, got {text!r}")
     return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (learning rates, scales)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v

@@ -161,10 +161,17 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         torch.set_num_threads(int(threads))
     if not sources:
         raise ValueError("--prompts: give at least one source (sharegpt, stdlib or a .jsonl path)")
+    stems: dict[str, str] = {}
     for s in sources:  # fail early: unknown/eval-only source; missing, empty or malformed JSONL
         if s not in ("sharegpt", "stdlib"):
             if s.endswith(".jsonl") or Path(s).exists():
-                for _ in iter_jsonl_prompts(s):  # reads every line once
+                stem = Path(s).stem
+                if stem in stems and Path(stems[stem]).resolve() != Path(s).resolve():
+                    raise ValueError(f"--prompts {stems[stem]} and {s} have the same file name {stem!r}: rows "
+                                     f"without an 'id' are named <file name>:<line>, so rows of the second "
+                                     f"would be taken for rows of the first and skipped; rename one file")
+                stems[stem] = s
+                for _ in iter_jsonl_prompts(s):  # reads every line once; notes skipped rows
                     pass
             else:
                 training_prompts(s)
@@ -236,6 +243,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                 if rec is None:
                     break
                 if rec["id"] in seen:
+                    counts["skipped_duplicate_id"] = counts.get("skipped_duplicate_id", 0) + 1
                     continue
                 seen.add(rec["id"])
                 position += 1

@@ -19,6 +19,7 @@ import gzip
 import hashlib
 import json
 import random
+import sys
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
@@ -266,10 +267,12 @@ def interleave(iters: Iterable[Iterator[dict]]) -> Iterator[dict]:
 
 
 # -- user JSONL --------------------------------------------------------------------------
-def iter_jsonl_prompts(path: str | Path) -> Iterator[dict]:
+def iter_jsonl_prompts(path: str | Path, note: bool = True) -> Iterator[dict]:
     """Prompts of a user JSONL file: rows with ``prompt`` (str) or ``messages`` (list).
 
     Optional fields: ``id`` (default ``<stem>:<line>``) and ``kind`` (default chat).
+    Rows that are not objects or have no usable prompt are skipped and (with ``note``)
+    reported on stderr after the file (file and line numbers).
     Raises:
         ValueError: the file is missing, has a malformed line or message, or no usable
             row (the message names the file and line).
@@ -278,6 +281,7 @@ def iter_jsonl_prompts(path: str | Path) -> Iterator[dict]:
     if not path.is_file():
         raise ValueError(f"prompt file {path} does not exist")
     n = 0
+    skipped: list[int] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -287,6 +291,7 @@ def iter_jsonl_prompts(path: str | Path) -> Iterator[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"prompt file {path}, line {lineno}: invalid JSON ({e})") from None
             if not isinstance(row, dict):
+                skipped.append(lineno)
                 continue
             rec = {"id": str(row.get("id", f"{path.stem}:{lineno}")), "source": str(path),
                    "kind": row.get("kind", "chat")}
@@ -300,11 +305,17 @@ def iter_jsonl_prompts(path: str | Path) -> Iterator[dict]:
                                      f"'role' and 'content', got {str(bad[0])[:80]}")
                 rec["messages"] = row["messages"]
             else:
+                skipped.append(lineno)
                 continue
             n += 1
             yield rec
     if n == 0:
-        raise ValueError(f"prompt file {path} has no usable rows (need a 'prompt' or 'messages' field)")
+        raise ValueError(f"prompt file {path} has no usable rows (need a non-empty string 'prompt' "
+                         f"or a non-empty list 'messages' per line)")
+    if skipped and note:
+        lines = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+        print(f"note: prompt file {path}: skipped {len(skipped)} row(s) without a non-empty string "
+              f"'prompt' or a non-empty list 'messages' (line {lines})", file=sys.stderr)
 
 
 # -- splits ------------------------------------------------------------------------------------
@@ -382,7 +393,7 @@ def training_prompts(source: str, **kwargs) -> Iterator[dict]:
     elif source == "sharegpt":
         it = iter_sharegpt(**kwargs)
     elif source.endswith(".jsonl") or Path(source).exists():
-        it = iter_jsonl_prompts(source)
+        it = iter_jsonl_prompts(source, note=False)  # build_dataset reported skipped rows up front
     else:
         raise ValueError(f"unknown prompt source {source!r}; use sharegpt, stdlib or a .jsonl path")
     return _dedupe(r for r in it if not is_eval_record(r))

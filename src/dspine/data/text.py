@@ -75,8 +75,8 @@ def build_text_dataset(target, out_dir: str | Path, sources=("stdlib", "sharegpt
 
     Raises:
         ValueError: unknown source, ``seq_len`` < 16 or ``max_tokens`` < 1, ``sharegpt``
-            with a tokenizer that has no chat template, or ``out_dir`` already holds data
-            of another target.
+            with a tokenizer that has no chat template, or ``out_dir`` is a file or not
+            empty (a dataset is never overwritten).
     """
     from .sources import load_splits
 
@@ -91,6 +91,12 @@ def build_text_dataset(target, out_dir: str | Path, sources=("stdlib", "sharegpt
         raise ValueError(f"--sources sharegpt: target {target.name!r} has no chat template; "
                          f"use --sources stdlib")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        held = f"a dataset ({MANIFEST} present)" if (out / MANIFEST).exists() else "files"
+        raise ValueError(f"--out {out} already holds {held}; dspine data text writes a new dataset "
+                         f"and never overwrites one: choose a new --out or delete it")
     out.mkdir(parents=True, exist_ok=True)
     heldout = set(load_splits().get("sharegpt_heldout_set", []))
     gens = {"stdlib": _stdlib_chunks(target, seq_len), "sharegpt": _sharegpt_convs(target, seq_len, heldout)}
@@ -113,6 +119,7 @@ def build_text_dataset(target, out_dir: str | Path, sources=("stdlib", "sharegpt
                 counts["prompts"] += 1
                 counts["prompt_tokens"] += len(row["prompt_ids"])
                 counts["response_tokens"] += n
+                counts["finished"] += 1
                 bar.update(n)
                 if got >= per_source:
                     break

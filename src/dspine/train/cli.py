@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import nonneg_int, positive_int
+from ..argtypes import nonneg_int, positive_float, positive_int
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
@@ -203,11 +203,22 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
     window's end.
 
     Raises:
-        ValueError: no usable sequence (names --data and --max-len).
+        ValueError: no usable sequence (names --data and --max-len), or a token id outside
+            the target vocabulary (names the --data directory and row).
     """
     from ..data.build import load_dataset
 
-    data = [s for d in data_dirs for s in load_dataset(d, target)]
+    data = []
+    V = target.vocab_size
+    for d in data_dirs:
+        rows = load_dataset(d, target)
+        for k, s in enumerate(rows):
+            if s.input_ids and not 0 <= min(s.input_ids) <= max(s.input_ids) < V:
+                bad = next(t for t in s.input_ids if not 0 <= t < V)
+                raise ValueError(f"--data {d}: row {k} holds token id {bad}, outside the vocabulary of "
+                                 f"target {target.name!r} (size {V}); the data is damaged or from another "
+                                 f"tokenizer")
+        data += rows
     seqs = [(s.input_ids, s.response_start) for s in data if len(s.input_ids) - s.response_start >= 2]
     if not seqs:
         raise ValueError(f"--data {data_dirs}: no usable sequences (need responses of >= 2 tokens)")
@@ -273,7 +284,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--anchors", type=positive_int, default=32, help="random anchors (blocks) per sequence")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-len", type=positive_int, default=384)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup", type=nonneg_int, default=50)
     p.add_argument("--vocab-subset", type=nonneg_int, default=8192, help="CE over the N most frequent tokens (0 = all)")
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])

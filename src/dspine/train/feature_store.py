@@ -230,8 +230,9 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     meta = _meta(target, feature_layers, seqs, max_len)
+    old = _Reuse(reuse, meta) if reuse else None  # check --reuse before writing anything
+    out.mkdir(parents=True, exist_ok=True)
     sf = out / "store.json"
     if sf.exists():
         have = _read_json(sf)
@@ -266,7 +267,6 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
     canon = canonical_indices(seqs, max_len)
     todo = [i for i in range(len(seqs)) if i % num_shards == shard and canon[i] == i and i not in done]
     todo.sort(key=lambda i: len(seqs[i][0]))  # similar lengths per batch: less padding
-    old = _Reuse(reuse, meta) if reuse else None
     copied = 0
     if target.dtype != torch.bfloat16:
         target.model.to(torch.bfloat16)

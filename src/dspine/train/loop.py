@@ -14,6 +14,7 @@ trajectory as one process with batch b (tested).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -29,6 +30,10 @@ from ..draft import check_fits_target, save_drafter
 from ..guards import resolve_device
 from ..model import DSpineDrafter
 from .losses import collate, cosine_lr, drafter_losses, sample_anchors, weight_sum
+
+
+class TrainingDiverged(ValueError):
+    """The loss or its gradients became NaN/inf (the message names --lr)."""
 
 
 @dataclass
@@ -60,6 +65,8 @@ class TrainConfig:
         for f in ("steps", "batch_size", "anchors_per_seq", "max_len", "save_every"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"TrainConfig.{f} must be positive, got {getattr(self, f)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"TrainConfig.lr (--lr) must be a finite number > 0, got {self.lr}")
         for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts"):
             if getattr(self, f) < 0:
                 raise ValueError(f"TrainConfig.{f} must be >= 0, got {getattr(self, f)}")
@@ -298,6 +305,10 @@ class Trainer:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        if not math.isfinite(float(gn)):  # NaN/inf loss or gradients; identical on every rank
+            raise TrainingDiverged(f"step {self.step + 1}: the loss ({float(losses['loss'].detach())}) or its "
+                                   f"gradients are not finite; lower --lr (now {tc.lr:g}) or check the data. "
+                                   f"Nothing of this step was applied; checkpoints written before it stay valid")
         self.opt.step()
         self.step += 1
         return {"step": self.step, "lr": lr, "loss": float(losses["loss"].detach()), "ce": float(losses["ce"]),
