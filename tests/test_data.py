@@ -198,6 +198,10 @@ def test_build_refuses_other_target_and_load_checks_target(tiny, tmp_path):
     with pytest.raises(ValueError, match="random:llama"):
         B.build_dataset(other, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, resume=True,
                         progress=False)
+    m = out / "manifest.json"
+    m.write_text(m.read_text()[:50])  # truncated manifest: the error names the file
+    with pytest.raises(ValueError, match=r"manifest.json is damaged"):
+        B.load_dataset(out, tiny)
 
 
 def test_build_empty_prompt_file(tiny, tmp_path):

@@ -105,9 +105,21 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def read_manifest(out_dir: str | Path) -> dict | None:
-    """The manifest of a data directory, or None when it has none."""
+    """The manifest of a data directory, or None when it has none.
+
+    Raises:
+        ValueError: the manifest is not valid JSON (names the file).
+    """
     p = Path(out_dir) / MANIFEST
-    return json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
+    if not p.exists():
+        return None
+    try:
+        man = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is damaged (not valid JSON: {e}); rebuild the dataset or restore the file") from None
+    if not isinstance(man, dict):
+        raise ValueError(f"{p} is damaged (not a JSON object); rebuild the dataset or restore the file")
+    return man
 
 
 def _same_target(man: dict, target, fp: dict) -> bool:
