@@ -88,7 +88,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="tiny run: 1 prompt per workload, 16 new tokens, greedy, ar+dspine+dflash+hf-pld")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/smoke or benchmarks/run)")
     p.add_argument("--target", default=None, help="target name or path (default smollm2-135m)")
-    p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16, for every mode")
+    p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16, for every mode (others are refused by the guards)")
     p.add_argument("--device", default=None, help="cpu (default) | cuda")
     p.add_argument("--threads", type=nonneg_int, default=None, help="torch CPU threads (smoke default 1)")
     p.add_argument("--modes", default=None, help="comma list of ar,dflash,dspine,hf,hf-pld or all (default all)")
