@@ -484,7 +484,8 @@ def _propose_drafter_batch(prop: DrafterProposer, reqs: list[Request], positions
         cpos[j, :c], cvalid[j, :c] = s.pos, s.valid
     a = torch.tensor([[r.anchor] for r in reqs], device=dev)
     apos = torch.tensor([[p] for p in positions], device=dev)
-    out = d.forward_blocks(a, apos, kv, cpos, cvalid)
+    rows = nmax + 1 if cfg.block_causal else None  # causal block: only the rows proposed from
+    out = d.forward_blocks(a, apos, kv, cpos, cvalid, rows=rows)
     t1 = time.perf_counter()
     res: list[Proposal] = []
     if cfg.final_stage:
