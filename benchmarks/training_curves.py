@@ -61,17 +61,21 @@ def main(argv=None) -> int:
             shutil.copyfile(src, out / f"{name}.metrics.jsonl")
         rs = _load(src)
         steps = [r["step"] + offset for r in rs]
+        first = family not in colors  # one legend entry per family (warm-started runs continue it)
         (line,) = a1.plot(steps, _smooth([r["ce"] for r in rs]), color=colors.get(family),
-                          label=f"{name} CE rows 1..15")
+                          label=f"{family} CE rows 1..15" if first else None)
         colors[family] = line.get_color()
+        if offset:
+            for a in (a1, a2):  # where a warm-started run (fresh warm-up and schedule) begins
+                a.axvline(offset, color="0.85", lw=0.8, zorder=0)
         if any(r.get("fs", 0) for r in rs):
             a1.plot(steps, _smooth([r["fs"] for r in rs]), "--", color=line.get_color(),
-                    label=f"{name} final-stage CE")
-        a2.plot(steps, _smooth([r["acc1"] for r in rs]), color=line.get_color(), label=name)
-    a1.set_xlabel("training step")
+                    label=f"{family} final-stage CE" if first else None)
+        a2.plot(steps, _smooth([r["acc1"] for r in rs]), color=line.get_color(), label=family if first else None)
+    a1.set_xlabel("training step (grey lines: a warm-started session begins)")
     a1.set_ylabel("loss (nats, moving avg of 10 logs)")
     a1.legend()
-    a2.set_xlabel("training step")
+    a2.set_xlabel("training step (grey lines: a warm-started session begins)")
     a2.set_ylabel("row-1 top-1 accuracy (training batches)")
     a2.legend()
     fig.suptitle("smollm2-135m drafters: same data, steps and compute")
