@@ -332,7 +332,7 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert json.loads((run / "final" / "card.json").read_text())["steps"] == 3
 
 
-def test_diverging_training_stops_with_an_error_naming_lr(tmp_path):
+def test_diverging_training_stops_with_an_error_naming_lr(tmp_path, capsys):
     """NaN/inf loss or gradients stop training before the step is applied (no final
     checkpoint of NaN weights); --lr must be a finite number > 0."""
     from dspine.train.loop import TrainingDiverged
@@ -347,9 +347,15 @@ def test_diverging_training_stops_with_an_error_naming_lr(tmp_path):
     assert not (tmp_path / "run" / "final").exists()
     assert torch.isnan(tr.model.fc.weight[0, 0])
     assert all(torch.equal(v, before[k]) for k, v in tr.model.state_dict().items() if k != "fc.weight")
-    for bad in (float("inf"), 0.0, -1e-3, float("nan")):
+    for bad in (float("inf"), -1e-3, float("nan")):
         with pytest.raises(ValueError, match="--lr"):
             TrainConfig(lr=bad)
+    from dspine.cli import main
+    for bad in ("inf", "0", "-1e-3", "nan"):  # the command line wants a real step size
+        capsys.readouterr()
+        assert main(["train", "--data", "x", "--out", str(tmp_path / "o"), "--lr", bad]) == 2
+        assert "--lr" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_training_data_with_ids_outside_the_vocabulary_is_refused(tmp_path):

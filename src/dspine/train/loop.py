@@ -65,8 +65,8 @@ class TrainConfig:
         for f in ("steps", "batch_size", "anchors_per_seq", "max_len", "save_every"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"TrainConfig.{f} must be positive, got {getattr(self, f)}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"TrainConfig.lr (--lr) must be a finite number > 0, got {self.lr}")
+        if not (self.lr >= 0 and math.isfinite(self.lr)):  # 0 is allowed here (frozen-weights checks)
+            raise ValueError(f"TrainConfig.lr (--lr) must be a finite number >= 0, got {self.lr}")
         for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts"):
             if getattr(self, f) < 0:
                 raise ValueError(f"TrainConfig.{f} must be >= 0, got {getattr(self, f)}")
