@@ -149,11 +149,18 @@ def test_build_writes_shards_manifest_and_resumes(tiny, tmp_path):
 
     with pytest.raises(ValueError, match="--resume"):
         B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=6, progress=False)
+    before = (out / "manifest.json").read_bytes()
+    for kw, opt in (({"max_new_tokens": 7}, "--max-new-tokens 6"), ({"max_prompt_tokens": 100}, "--max-prompt-tokens 384")):
+        with pytest.raises(ValueError, match=opt):  # rows made differently: refused, nothing written
+            B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, progress=False, resume=True,
+                            **{"max_new_tokens": 6, **kw})
+    assert (out / "manifest.json").read_bytes() == before
     more = _prompts(tmp_path / "b.jsonl", 8)
     man = B.build_dataset(tiny, [str(more)], out, max_new_tokens=6, batch_size=3, resume=True,
                           progress=False)
     assert man["complete"] and man["counts"]["prompts"] == 8 and man["runs"][-1]["new_rows"] == 3
     assert sorted(r["id"] for r in _rows(out)) == sorted(f"q{i}" for i in range(8))
+    assert man["sources"] == [str(tmp_path / "a.jsonl"), str(more)]  # union of both runs' sources
 
     seqs = B.load_dataset(out, tiny)
     assert len(seqs) == 8

@@ -141,6 +141,30 @@ def parse_shard(text: str, option: str = "--shard") -> tuple[int, int]:
     return k, n
 
 
+# settings that change what a row holds; batch size and threads only change speed
+_ROW_SETTINGS = {"strategy": "strategy", "max_new_tokens": "--max-new-tokens", "dtype": "--dtype",
+                 "max_prompt_tokens": "--max-prompt-tokens", "eos_token_ids": "eos_token_ids",
+                 "pad_token_id": "pad_token_id"}
+
+
+def _check_resume_settings(out: Path, man: dict, settings: dict) -> None:
+    """Refuse ``--resume`` with settings that would mix differently made rows in one directory.
+
+    Prompt sources may change between runs (each run's are kept in ``runs[]``, the
+    manifest's ``sources`` is their union); batch size and threads may change too.
+
+    Raises:
+        ValueError: naming the first setting that differs from the manifest's, with both
+            values.
+    """
+    old = man.get("sampling", {})
+    for key, option in _ROW_SETTINGS.items():
+        if key in old and old[key] != settings[key]:
+            raise ValueError(f"{out} was built with {option} {old[key]!r}, this run has {settings[key]!r}: "
+                             f"resuming would mix differently generated rows; resume with {option} "
+                             f"{old[key]!r} or use another --out")
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -210,8 +234,6 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     if man is not None and man.get("shard", "0/1") != f"{k_shard}/{n_shard}":
         raise ValueError(f"{out} was built with --shard {man.get('shard', '0/1')}, not "
                          f"{k_shard}/{n_shard}; resume it with the same --shard or use another --out")
-    done, counts = _repair_and_scan(out)
-    counts["skipped_too_long"] = 0
     pad_id = getattr(tgt.tokenizer, "pad_token_id", None)
     if pad_id is None:
         pad_id = min(tgt.eos_token_ids) if tgt.eos_token_ids else 0
@@ -219,10 +241,15 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                 "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size,
                 "threads": torch.get_num_threads(), "eos_token_ids": sorted(tgt.eos_token_ids),
                 "pad_token_id": int(pad_id)}
+    if man is not None and man.get("counts", {}).get("prompts", 0) > 0:
+        _check_resume_settings(out, man, settings)
+    done, counts = _repair_and_scan(out)
+    counts["skipped_too_long"] = 0
     man = man or {"format": FORMAT, "created": _now(), "runs": []}
     man.update({"target": tgt.name, "target_path": tgt.path, "tokenizer": fp,
                 "template": _template_info(tgt.tokenizer), "sampling": settings,
-                "sources": list(sources), "max_prompts": max_prompts, "shard": f"{k_shard}/{n_shard}",
+                "sources": list(dict.fromkeys([*man.get("sources", []), *sources])),  # union over runs
+                "max_prompts": max_prompts, "shard": f"{k_shard}/{n_shard}",
                 "complete": False})
     run = {"started": _now(), "sources": list(sources), "settings": settings, "new_rows": 0}
     man["runs"].append(run)
