@@ -187,6 +187,18 @@ def test_cli_rejects_bad_settings(capsys):
     assert main(["bench", "--target", "random:llama", "--modes", "ar", "--settings", "beam"]) == 2
 
 
+def test_earlier_results_are_not_overwritten_without_flag(tmp_path, capsys, monkeypatch):
+    prev = tmp_path / "results.jsonl"
+    prev.write_text('{"run_id": "earlier"}\n')
+    assert main(["bench", "--target", "random:llama", "--modes", "ar", "--out", str(tmp_path)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and prev.read_text() == '{"run_id": "earlier"}\n'
+    seen = {}
+    monkeypatch.setattr(H, "Harness", lambda cfg, target=None: seen.setdefault("h", 1) / 0)
+    with pytest.raises(ZeroDivisionError):  # with --overwrite the check passes and the run starts
+        H.run_bench(H.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
+    assert seen == {"h": 1}
+
+
 def test_full_run_needs_drafters(monkeypatch):
     import dspine.cli
 

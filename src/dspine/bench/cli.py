@@ -2,7 +2,7 @@
 
 Smoke (CI; under 3 minutes on 2 cores)::
 
-    dspine bench --smoke --out benchmarks/smoke
+    dspine bench --smoke --out benchmarks/smoke --overwrite
 
 Full run (documented command; hours on a 2-core CPU, minutes on a GPU)::
 
@@ -70,7 +70,8 @@ def config_from_args(args) -> BenchConfig:
 def cmd_bench(args) -> int:
     cfg = config_from_args(args)
     out = args.out or ("benchmarks/smoke" if args.smoke else "benchmarks/run")
-    summary = run_bench(cfg, out, progress=not args.no_progress, plots=not args.no_plots)
+    summary = run_bench(cfg, out, progress=not args.no_progress, plots=not args.no_plots,
+                        overwrite=args.overwrite)
     brief = [{k: g.get(k) for k in ("workload", "setting", "mode", "n", "failures")}
              | {"speedup_median": (g.get("speedup") or {}).get("median"), "tau_pooled": g.get("tau_pooled"),
                 "tokens_per_second": g.get("tokens_per_second_median")}
@@ -87,6 +88,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true",
                    help="tiny run: 1 prompt per workload, 16 new tokens, greedy, ar+dspine+dflash+hf-pld")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/smoke or benchmarks/run)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (refused without it)")
     p.add_argument("--target", default=None, help="target name or path (default smollm2-135m)")
     p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16, for every mode (others are refused by the guards)")
     p.add_argument("--device", default=None, help="cpu (default) | cuda")

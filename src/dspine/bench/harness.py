@@ -394,11 +394,20 @@ class Harness:
 
 
 def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plots: bool = True,
-              target=None) -> dict:
+              target=None, overwrite: bool = False) -> dict:
     """Run the benchmark and write ``results.jsonl``, ``summary.json``, ``report.md`` and
-    the plots into ``out_dir``. Returns the summary."""
+    the plots into ``out_dir``. Returns the summary.
+
+    Raises:
+        BenchError: ``out_dir`` already holds a run's ``results.jsonl`` and ``overwrite``
+            is False (checked before any model is loaded; nothing is written).
+    """
     from .report import summarize, write_report
 
+    prev = Path(out_dir) / "results.jsonl"
+    if prev.exists() and not overwrite:
+        raise BenchError(f"--out {out_dir} already holds the results of an earlier run ({prev}); "
+                         f"pass --overwrite to replace them or choose another --out")
     t0 = time.perf_counter()
     h = Harness(cfg, target=target)
     rows = h.run(out_dir, progress=progress)
