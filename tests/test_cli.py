@@ -245,3 +245,25 @@ def test_interrupt_exits_130_with_a_resume_hint(capsys, monkeypatch):
     monkeypatch.setattr(dspine.cli, "cmd_generate", interrupted)
     code, out, err = cli(capsys, "generate", "hi")
     assert code == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_interrupted_target_conversion_leaves_no_folder(tmp_path):
+    """A failed conversion removes its temporary folder; folders left by killed
+    conversions (dead pid) are removed by the next one, a live one's are kept."""
+    from pathlib import Path
+
+    from dspine.targets import _remove_stale_tmp, convert_gguf
+
+    out = tmp_path / "targets" / "gguf-x"
+    out.parent.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out.parent / f"gguf-x.tmp{dead.pid}").mkdir()
+    (out.parent / f"gguf-x.tmp{os.getpid()}-keep").mkdir()  # not a pid suffix: left alone
+    live = out.parent / f"gguf-x.tmp{os.getppid()}"
+    live.mkdir()
+    _remove_stale_tmp(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([f"gguf-x.tmp{os.getpid()}-keep", live.name])
+    with pytest.raises(Exception):
+        convert_gguf(Path(tmp_path / "missing.gguf"), out)
+    assert not out.exists() and not (out.parent / f"gguf-x.tmp{os.getpid()}").exists()

@@ -85,6 +85,21 @@ def _assemble_gguf(spec: GGUFTarget, out: Path) -> Path:
     return out
 
 
+def _remove_stale_tmp(out_dir: Path) -> None:
+    """Delete ``<out_dir>.tmp<pid>`` folders left by conversions whose process is gone
+    (killed before its cleanup ran); a folder of a live process is left alone."""
+    for p in out_dir.parent.glob(out_dir.name + ".tmp*"):
+        pid = p.name.rsplit(".tmp", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:  # a live process of another user
+            pass
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF file to float32 safetensors + config + tokenizer in ``out_dir``.
 
@@ -95,20 +110,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _remove_stale_tmp(out_dir)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    d, f = str(gguf_path.parent), gguf_path.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["dtype"] = "float32"
-    save_model(model, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(str(tmp))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(tmp))
+    try:
+        d, f = str(gguf_path.parent), gguf_path.name
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = "float32"
+        save_model(model, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(str(tmp))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+    except BaseException:  # interrupted or failed: leave no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
