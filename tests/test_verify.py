@@ -263,6 +263,20 @@ def test_filter_probs_matches_references_random():
     assert torch.equal(filter_probs(L, cfg), torch.stack([filter_probs(r, cfg) for r in L]))
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-320, 2e-308, 1e-12])
+def test_tiny_temperature_is_the_argmax_limit(temperature):
+    """A tiny positive temperature used to overflow logits/T to +-inf and give NaN (a crash
+    in the sampler, and in a batched server cycle for every request): the limit is the
+    argmax, split evenly over exact ties."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.5, 4.0, 4.0, -1.0]])
+    for kw in ({}, {"top_p": 0.9}, {"top_k": 2, "min_p": 0.2}):
+        p = filter_probs(logits, SamplingConfig(temperature=temperature, **kw))
+        assert torch.equal(p, torch.tensor([[0, 1.0, 0, 0], [0, 0.5, 0.5, 0]], dtype=torch.float64)), kw
+    g = make_generator(0)
+    assert sample_token(logits[0], SamplingConfig(temperature=temperature), g) == 1
+    assert {sample_token(logits[1], SamplingConfig(temperature=temperature), g) for _ in range(40)} == {1, 2}
+
+
 def _sorted_top_p_keep(p: torch.Tensor, top_p: float) -> torch.Tensor:
     """Reference nucleus mask: full stable descending sort (the implementation before
     the partial sort)."""

@@ -26,7 +26,10 @@ def filter_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """
     if cfg.greedy:
         raise ValueError("filter_probs needs temperature > 0; greedy decoding uses argmax")
-    x = logits.to(torch.float64) / cfg.temperature  # [..., N]
+    x = logits.to(torch.float64)  # [..., N]
+    # shift by the row max before dividing: softmax is shift-invariant, and a tiny
+    # temperature then sends the other entries to -inf instead of x/T to +-inf (NaN)
+    x = (x - x.amax(dim=-1, keepdim=True)) / cfg.temperature  # [..., N], max entries 0
     n = x.shape[-1]
     if 0 < cfg.top_k < n:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
