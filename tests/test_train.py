@@ -78,6 +78,42 @@ def test_resume_refuses_other_config(tmp_path):
         other.resume()
 
 
+def test_resume_refuses_other_settings_and_data(tmp_path):
+    """--resume continues only the same run: other training settings or other data are
+    refused by name (steps and save cadence may change)."""
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4))
+    tr.train_step()
+    tr.save()
+    for kw, flag in (({"lr": 5.0}, "--lr"), ({"batch_size": 2}, "--batch-size"),
+                     ({"vocab_subset": 10}, "--vocab-subset"), ({"seed": 7}, "--seed")):
+        with pytest.raises(ValueError, match=f"trained with {flag} "):
+            Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4, **kw)).resume()
+    with pytest.raises(ValueError, match="other --data"):
+        Trainer(tg, _cfg(tg), _seqs()[:-1], tmp_path, _tc(steps=4)).resume()
+    ok = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=9, save_every=3))
+    assert ok.resume() and ok.step == 1
+
+
+def test_resume_survives_an_interrupted_save(tmp_path):
+    """A crash inside save() leaves one complete state that --resume finds; an incomplete
+    ckpt/ with nothing to replace it is refused instead of restarting from step 0."""
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4))
+    tr.train_step()
+    tr.save()
+    ck = tmp_path / "ckpt"
+    ck.rename(tmp_path / "ckpt.tmp")  # crash between removing ckpt/ and renaming ckpt.tmp/
+    again = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4))
+    assert again.resume() and again.step == 1 and (ck / "trainer.pt").exists()
+    ck.rename(tmp_path / "ckpt.old")  # crash after ckpt/ -> ckpt.old/, with no ckpt.tmp/
+    assert Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()
+    (ck / "trainer.pt").unlink()  # ckpt/ without its trainer state
+    with pytest.raises(ValueError, match="incomplete"):
+        Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()
+    assert not Trainer(tg, _cfg(tg), _seqs(), tmp_path / "fresh", _tc(steps=4)).resume()
+
+
 def test_init_from_warm_starts_and_refuses_other_config(tmp_path):
     tg = load_target("random:llama", vocab_size=256)
     tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "a", _tc(steps=3))
@@ -96,7 +132,7 @@ def test_init_from_warm_starts_and_refuses_other_config(tmp_path):
     with pytest.raises(DrafterError, match="^--init-from .*no config.json"):
         other.run(init_from=tmp_path / "nope")
     # the warm-start source survives --resume (the model card names the real parent)
-    again = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "b", _tc(steps=1))
+    again = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "b", _tc(steps=1, lr=0.0, warmup=1))
     assert again.resume() and again.init_source == str(src)
     fresh = Trainer(tg, _cfg(tg), _seqs(), tmp_path / "d", _tc(steps=1))
     fresh.run()

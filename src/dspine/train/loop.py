@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -150,26 +151,81 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
     def save(self, final: bool = False, extra: dict | None = None) -> Path:
-        """Write ``ckpt/`` (weights fp32, optimizer, step) atomically; rank 0 only."""
+        """Write ``ckpt/`` (weights fp32, optimizer, step, data fingerprint) atomically; rank 0 only.
+
+        The new state is written to ``ckpt.tmp/`` (``trainer.pt`` last, by rename), then
+        ``ckpt/`` -> ``ckpt.old/``, ``ckpt.tmp/`` -> ``ckpt/``, and ``ckpt.old/`` removed: a
+        crash at any point leaves one complete state that :meth:`resume` finds.
+        """
         if self.rank != 0:
             return self.out
-        ck = self.out / "ckpt"
-        tmp = self.out / "ckpt.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
+        import shutil
+
+        ck, tmp, old = self.out / "ckpt", self.out / "ckpt.tmp", self.out / "ckpt.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         save_drafter(self.model, tmp, dtype=torch.float32)
         torch.save({"opt": self.opt.state_dict(), "step": self.step, "wall": self.wall,
                     "subset": self.subset, "train_config": asdict(self.tc),
-                    "init_source": self.init_source}, tmp / "trainer.pt")
+                    "init_source": self.init_source, "data_fingerprint": self.data_fingerprint()},
+                   tmp / "trainer.pt.part")
+        (tmp / "trainer.pt.part").rename(tmp / "trainer.pt")  # marks ckpt.tmp complete
+        shutil.rmtree(old, ignore_errors=True)
         if ck.exists():
-            import shutil
-            shutil.rmtree(ck)
+            ck.rename(old)
         tmp.rename(ck)
+        shutil.rmtree(old, ignore_errors=True)
         return ck
 
+    def data_fingerprint(self) -> str:
+        """sha256 of this run's training sequences (cached): ``--resume`` checks it."""
+        if getattr(self, "_data_fp", None) is None:
+            from .feature_store import data_fingerprint
+
+            self._data_fp = data_fingerprint(self.seqs, self.tc.max_len)
+        return self._data_fp
+
+    def _recover_checkpoint(self) -> Path | None:
+        """The complete checkpoint directory after a possibly interrupted :meth:`save`.
+
+        Returns None when no checkpoint was ever written.
+        Raises:
+            ValueError: ``ckpt/`` exists but is incomplete and nothing can replace it.
+        """
+        ck, tmp, old = self.out / "ckpt", self.out / "ckpt.tmp", self.out / "ckpt.old"
+        if (ck / "trainer.pt").exists():
+            return ck
+        for src in (tmp, old):  # crash between the renames: the newest complete state
+            if (src / "trainer.pt").exists() and (src / "model.safetensors").exists():
+                if ck.exists():
+                    import shutil
+                    shutil.rmtree(ck)
+                src.rename(ck)
+                print(f"note: recovered the checkpoint of an interrupted save from {src.name}/", file=sys.stderr)
+                return ck
+        if ck.exists():
+            raise ValueError(f"--resume: {ck} is incomplete (no trainer.pt) and no complete ckpt.tmp/ or "
+                             f"ckpt.old/ is left; restore it or start a new --out")
+        return None
+
+    # settings a resumed run may change (how long, how often to save / evaluate, where)
+    _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
+                  "memo_features", "device"}
+    _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
+              "lr": "--lr", "warmup": "--warmup", "vocab_subset": "--vocab-subset", "seed": "--seed",
+              "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast"}
+
     def resume(self) -> bool:
-        """Load ``ckpt/`` if present; returns True when resumed."""
-        ck = self.out / "ckpt"
-        if not (ck / "trainer.pt").exists():
+        """Load ``ckpt/`` if present; returns True when resumed, False when no checkpoint
+        was ever written (the run starts at step 0).
+
+        Raises:
+            ValueError: an incomplete checkpoint, or one made with another drafter config,
+                other training settings (all but steps, save/eval cadence and device) or
+                other training data (sha256 of the sequences), each named.
+        """
+        ck = self._recover_checkpoint()
+        if ck is None:
             return False
         from safetensors.torch import load_file
 
@@ -178,8 +234,19 @@ class Trainer:
             diff = {k: (v, getattr(self.cfg, k)) for k, v in asdict(saved).items() if getattr(self.cfg, k) != v}
             raise ValueError(f"--resume: checkpoint in {ck} was trained with another drafter config "
                              f"(checkpoint vs this run: {diff}); use a new --out")
-        self.model.load_state_dict(load_file(str(ck / "model.safetensors")))
         st = torch.load(ck / "trainer.pt", weights_only=False, map_location="cpu")
+        now = asdict(self.tc)
+        for k, v in (st.get("train_config") or {}).items():
+            if k not in self._RESUMABLE and k in now and now[k] != v:
+                raise ValueError(f"--resume: {ck} was trained with {self._FLAGS.get(k, k)} {v!r}, this run "
+                                 f"has {now[k]!r}; resume with the same setting or start a new --out "
+                                 f"(--init-from {ck} warm-starts the weights with a fresh optimizer)")
+        fp = st.get("data_fingerprint")
+        if fp is not None and fp != self.data_fingerprint():
+            raise ValueError(f"--resume: {ck} was trained on other --data (sha256 of the sequences "
+                             f"{fp[:12]}, this run {self.data_fingerprint()[:12]}); resume with the same "
+                             f"--data list or start a new --out (--init-from {ck} warm-starts the weights)")
+        self.model.load_state_dict(load_file(str(ck / "model.safetensors")))
         self.opt.load_state_dict(st["opt"])  # moves the optimizer state to the parameters' device
         self.step, self.wall = st["step"], st.get("wall", 0.0)
         self.subset = None if st["subset"] is None else st["subset"].to(self.device)
@@ -323,6 +390,9 @@ class Trainer:
         resumed = resume and self.resume()
         if resumed and self.rank == 0:
             print(f"resumed from step {self.step}")
+        elif resume and self.rank == 0:
+            print(f"note: --resume: no checkpoint in {self.out / 'ckpt'} yet; starting at step 0",
+                  file=sys.stderr)
         if not resumed and init_from:
             self.init_from(init_from)
         tc = self.tc
