@@ -170,6 +170,19 @@ def test_build_writes_shards_manifest_and_resumes(tiny, tmp_path):
     assert s.response_start == len(row["prompt_ids"])
 
 
+def test_second_build_into_the_same_directory_is_refused(tiny, tmp_path):
+    """Two builds appending to one --out duplicated rows; the second now stops at once."""
+    out = tmp_path / "ds"
+    out.mkdir()
+    held = B._lock_dir(out)  # as a running build holds it
+    with pytest.raises(ValueError, match="being written by another"):
+        B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 3))], out, max_new_tokens=3, progress=False)
+    assert not (out / "manifest.json").exists()
+    held.close()  # the first build ends: the directory is free again
+    man = B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, progress=False)
+    assert man["complete"] and man["counts"]["prompts"] == 3
+
+
 def test_build_shards_are_disjoint_and_cover_the_stream(tiny, tmp_path):
     src = str(_prompts(tmp_path / "a.jsonl", 7))
     ids = []

@@ -165,6 +165,26 @@ def _check_resume_settings(out: Path, man: dict, settings: dict) -> None:
                              f"{old[key]!r} or use another --out")
 
 
+def _lock_dir(out: Path):
+    """Take an exclusive lock on ``out/.lock`` so two builds never append to one directory.
+
+    Returns the open lock file (the lock lasts while it is open). Raises ValueError
+    naming ``--out`` when another process holds it. No-op where ``fcntl`` is missing.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise ValueError(f"--out {out} is being written by another `dspine data build`; wait for it "
+                         f"to finish (or stop it), then --resume, or use another --out") from None
+    return f
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -218,121 +238,127 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     fp = tokenizer_fingerprint(tgt.tokenizer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    man = read_manifest(out)
-    if man is not None and not _same_target(man, tgt, fp):
-        raise ValueError(f"{out} holds data built for target {man.get('target')!r} "
-                         f"(tokenizer {man.get('tokenizer', {}).get('name_or_path')}), not for "
-                         f"target {tgt.name!r}; use another --out directory")
-    if man is None and _shards(out):
-        raise ValueError(f"{out} has data shards but no {MANIFEST}; use another --out directory")
-    if man is not None and man.get("counts", {}).get("prompts", 0) > 0 and not resume:
-        raise ValueError(f"{out} already holds {man['counts']['prompts']} rows for target "
-                         f"{tgt.name!r}; pass --resume to continue it or use another --out")
-    k_shard, n_shard = shard
-    if not (0 <= k_shard < n_shard):
-        raise ValueError(f"--shard must be k/N with 0 <= k < N, got {k_shard}/{n_shard}")
-    if man is not None and man.get("shard", "0/1") != f"{k_shard}/{n_shard}":
-        raise ValueError(f"{out} was built with --shard {man.get('shard', '0/1')}, not "
-                         f"{k_shard}/{n_shard}; resume it with the same --shard or use another --out")
-    pad_id = getattr(tgt.tokenizer, "pad_token_id", None)
-    if pad_id is None:
-        pad_id = min(tgt.eos_token_ids) if tgt.eos_token_ids else 0
-    settings = {"strategy": "greedy", "max_new_tokens": max_new_tokens, "dtype": str(tgt.dtype).replace("torch.", ""),
-                "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size,
-                "threads": torch.get_num_threads(), "eos_token_ids": sorted(tgt.eos_token_ids),
-                "pad_token_id": int(pad_id)}
-    if man is not None and man.get("counts", {}).get("prompts", 0) > 0:
-        _check_resume_settings(out, man, settings)
-    done, counts = _repair_and_scan(out)
-    counts["skipped_too_long"] = 0
-    man = man or {"format": FORMAT, "created": _now(), "runs": []}
-    man.update({"target": tgt.name, "target_path": tgt.path, "tokenizer": fp,
-                "template": _template_info(tgt.tokenizer), "sampling": settings,
-                "sources": list(dict.fromkeys([*man.get("sources", []), *sources])),  # union over runs
-                "max_prompts": max_prompts, "shard": f"{k_shard}/{n_shard}",
-                "complete": False})
-    run = {"started": _now(), "sources": list(sources), "settings": settings, "new_rows": 0}
-    man["runs"].append(run)
+    lock = _lock_dir(out)  # released in the finally below
+    try:
+        man = read_manifest(out)
+        if man is not None and not _same_target(man, tgt, fp):
+            raise ValueError(f"{out} holds data built for target {man.get('target')!r} "
+                             f"(tokenizer {man.get('tokenizer', {}).get('name_or_path')}), not for "
+                             f"target {tgt.name!r}; use another --out directory")
+        if man is None and _shards(out):
+            raise ValueError(f"{out} has data shards but no {MANIFEST}; use another --out directory")
+        if man is not None and man.get("counts", {}).get("prompts", 0) > 0 and not resume:
+            raise ValueError(f"{out} already holds {man['counts']['prompts']} rows for target "
+                             f"{tgt.name!r}; pass --resume to continue it or use another --out")
+        k_shard, n_shard = shard
+        if not (0 <= k_shard < n_shard):
+            raise ValueError(f"--shard must be k/N with 0 <= k < N, got {k_shard}/{n_shard}")
+        if man is not None and man.get("shard", "0/1") != f"{k_shard}/{n_shard}":
+            raise ValueError(f"{out} was built with --shard {man.get('shard', '0/1')}, not "
+                             f"{k_shard}/{n_shard}; resume it with the same --shard or use another --out")
+        pad_id = getattr(tgt.tokenizer, "pad_token_id", None)
+        if pad_id is None:
+            pad_id = min(tgt.eos_token_ids) if tgt.eos_token_ids else 0
+        settings = {"strategy": "greedy", "max_new_tokens": max_new_tokens,
+                    "dtype": str(tgt.dtype).replace("torch.", ""),
+                    "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size,
+                    "threads": torch.get_num_threads(), "eos_token_ids": sorted(tgt.eos_token_ids),
+                    "pad_token_id": int(pad_id)}
+        if man is not None and man.get("counts", {}).get("prompts", 0) > 0:
+            _check_resume_settings(out, man, settings)
+        done, counts = _repair_and_scan(out)
+        counts["skipped_too_long"] = 0
+        man = man or {"format": FORMAT, "created": _now(), "runs": []}
+        man.update({"target": tgt.name, "target_path": tgt.path, "tokenizer": fp,
+                    "template": _template_info(tgt.tokenizer), "sampling": settings,
+                    "sources": list(dict.fromkeys([*man.get("sources", []), *sources])),  # union over runs
+                    "max_prompts": max_prompts, "shard": f"{k_shard}/{n_shard}",
+                    "complete": False})
+        run = {"started": _now(), "sources": list(sources), "settings": settings, "new_rows": 0}
+        man["runs"].append(run)
 
-    def save(complete: bool = False) -> None:
-        man.update(counts=dict(counts), shards=[p.name for p in _shards(out)], updated=_now(),
-                   complete=complete)
-        _write_json_atomic(out / MANIFEST, man)
+        def save(complete: bool = False) -> None:
+            man.update(counts=dict(counts), shards=[p.name for p in _shards(out)], updated=_now(),
+                       complete=complete)
+            _write_json_atomic(out / MANIFEST, man)
 
-    save()
-    stream = interleave(iters)
-    seen: set[str] = set()
-    taken = position = 0
-    shard_idx = max(len(_shards(out)) - 1, 0)
-    shard_count = sum(1 for _ in open(out / f"data-{shard_idx:05d}.jsonl", "rb")) \
-        if (out / f"data-{shard_idx:05d}.jsonl").exists() else 0
+        save()
+        stream = interleave(iters)
+        seen: set[str] = set()
+        taken = position = 0
+        shard_idx = max(len(_shards(out)) - 1, 0)
+        shard_count = sum(1 for _ in open(out / f"data-{shard_idx:05d}.jsonl", "rb")) \
+            if (out / f"data-{shard_idx:05d}.jsonl").exists() else 0
 
-    from tqdm.auto import tqdm
-    bar = tqdm(unit="tok", desc=f"data build {tgt.name}", disable=not progress, dynamic_ncols=True,
-               mininterval=0.5 if sys.stderr.isatty() else 30.0)
-    t0, new_tokens = time.time(), 0
-    with cpu_speed_patches(tgt.model) as attn:
-        man["sampling"]["attention"] = attn
-        while True:
-            pool: list[tuple[dict, list[int]]] = []
-            while len(pool) < batch_size * pool_batches:
-                if max_prompts is not None and taken >= max_prompts:
-                    break
-                rec = next(stream, None)
-                if rec is None:
-                    break
-                if rec["id"] in seen:
-                    counts["skipped_duplicate_id"] = counts.get("skipped_duplicate_id", 0) + 1
-                    continue
-                seen.add(rec["id"])
-                position += 1
-                if (position - 1) % n_shard != k_shard:
-                    continue
-                taken += 1
-                if rec["id"] in done:
-                    continue
-                ids = encode_record(tgt, rec)
-                if len(ids) > max_prompt_tokens:
-                    if rec.get("kind") == "code":
-                        ids = ids[-max_prompt_tokens:]
-                    else:
-                        counts["skipped_too_long"] += 1
+        from tqdm.auto import tqdm
+        bar = tqdm(unit="tok", desc=f"data build {tgt.name}", disable=not progress, dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 30.0)
+        t0, new_tokens = time.time(), 0
+        with cpu_speed_patches(tgt.model) as attn:
+            man["sampling"]["attention"] = attn
+            while True:
+                pool: list[tuple[dict, list[int]]] = []
+                while len(pool) < batch_size * pool_batches:
+                    if max_prompts is not None and taken >= max_prompts:
+                        break
+                    rec = next(stream, None)
+                    if rec is None:
+                        break
+                    if rec["id"] in seen:
+                        counts["skipped_duplicate_id"] = counts.get("skipped_duplicate_id", 0) + 1
                         continue
-                pool.append((rec, ids))
-            if not pool:
-                break
-            pool.sort(key=lambda x: len(x[1]))
-            for b in range(0, len(pool), batch_size):
-                batch = pool[b:b + batch_size]
-                outs = generate_batch(tgt.model, [ids for _, ids in batch], max_new_tokens,
-                                      tgt.eos_token_ids, pad_id)
-                lines = []
-                for (rec, ids), (resp, fin) in zip(batch, outs):
-                    lines.append(json.dumps({"id": rec["id"], "source": rec["source"],
-                                             "kind": rec.get("kind", "chat"), "prompt_ids": ids,
-                                             "response_ids": resp, "finished": fin}) + "\n")
-                    counts["prompts"] += 1
-                    counts["prompt_tokens"] += len(ids)
-                    counts["response_tokens"] += len(resp)
-                    counts["finished"] += int(fin)
-                    new_tokens += len(resp)
-                    done.add(rec["id"])
-                if shard_count >= shard_rows:
-                    shard_idx, shard_count = shard_idx + 1, 0
-                with open(out / f"data-{shard_idx:05d}.jsonl", "ab") as f:
-                    f.write("".join(lines).encode("utf-8"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                shard_count += len(lines)
-                run["new_rows"] += len(lines)
-                run["new_tokens_per_s"] = round(new_tokens / max(time.time() - t0, 1e-9), 1)
-                save()
-                bar.update(sum(len(r) for r, _ in outs))
-                bar.set_postfix(rows=counts["prompts"], tok_s=run["new_tokens_per_s"])
-    bar.close()
-    run["finished"] = _now()
-    save(complete=True)
-    return man
+                    seen.add(rec["id"])
+                    position += 1
+                    if (position - 1) % n_shard != k_shard:
+                        continue
+                    taken += 1
+                    if rec["id"] in done:
+                        continue
+                    ids = encode_record(tgt, rec)
+                    if len(ids) > max_prompt_tokens:
+                        if rec.get("kind") == "code":
+                            ids = ids[-max_prompt_tokens:]
+                        else:
+                            counts["skipped_too_long"] += 1
+                            continue
+                    pool.append((rec, ids))
+                if not pool:
+                    break
+                pool.sort(key=lambda x: len(x[1]))
+                for b in range(0, len(pool), batch_size):
+                    batch = pool[b:b + batch_size]
+                    outs = generate_batch(tgt.model, [ids for _, ids in batch], max_new_tokens,
+                                          tgt.eos_token_ids, pad_id)
+                    lines = []
+                    for (rec, ids), (resp, fin) in zip(batch, outs):
+                        lines.append(json.dumps({"id": rec["id"], "source": rec["source"],
+                                                 "kind": rec.get("kind", "chat"), "prompt_ids": ids,
+                                                 "response_ids": resp, "finished": fin}) + "\n")
+                        counts["prompts"] += 1
+                        counts["prompt_tokens"] += len(ids)
+                        counts["response_tokens"] += len(resp)
+                        counts["finished"] += int(fin)
+                        new_tokens += len(resp)
+                        done.add(rec["id"])
+                    if shard_count >= shard_rows:
+                        shard_idx, shard_count = shard_idx + 1, 0
+                    with open(out / f"data-{shard_idx:05d}.jsonl", "ab") as f:
+                        f.write("".join(lines).encode("utf-8"))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    shard_count += len(lines)
+                    run["new_rows"] += len(lines)
+                    run["new_tokens_per_s"] = round(new_tokens / max(time.time() - t0, 1e-9), 1)
+                    save()
+                    bar.update(sum(len(r) for r, _ in outs))
+                    bar.set_postfix(rows=counts["prompts"], tok_s=run["new_tokens_per_s"])
+        bar.close()
+        run["finished"] = _now()
+        save(complete=True)
+        return man
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 # -- reading ------------------------------------------------------------------------------
