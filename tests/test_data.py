@@ -99,6 +99,10 @@ def test_jsonl_source_errors(tmp_path):
     useless.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match="useless.jsonl"):
         list(S.iter_jsonl_prompts(useless))
+    ids = tmp_path / "ids.jsonl"  # null / empty / non-scalar ids fall back to <stem>:<line>
+    ids.write_text('{"prompt": "a", "id": null}\n{"prompt": "b", "id": null}\n{"prompt": "c", "id": ""}\n'
+                   '{"prompt": "d", "id": [1]}\n{"prompt": "e", "id": 7}\n{"prompt": "f", "id": "q"}\n')
+    assert [r["id"] for r in S.iter_jsonl_prompts(ids)] == ["ids:1", "ids:2", "ids:3", "ids:4", "7", "q"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl, line 2"):

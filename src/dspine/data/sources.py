@@ -270,7 +270,8 @@ def interleave(iters: Iterable[Iterator[dict]]) -> Iterator[dict]:
 def iter_jsonl_prompts(path: str | Path, note: bool = True) -> Iterator[dict]:
     """Prompts of a user JSONL file: rows with ``prompt`` (str) or ``messages`` (list).
 
-    Optional fields: ``id`` (default ``<stem>:<line>``) and ``kind`` (default chat).
+    Optional fields: ``id`` (a string or integer; absent, null or empty: ``<stem>:<line>``)
+    and ``kind`` (default chat).
     Rows that are not objects or have no usable prompt are skipped and (with ``note``)
     reported on stderr after the file (file and line numbers).
     Raises:
@@ -293,7 +294,10 @@ def iter_jsonl_prompts(path: str | Path, note: bool = True) -> Iterator[dict]:
             if not isinstance(row, dict):
                 skipped.append(lineno)
                 continue
-            rec = {"id": str(row.get("id", f"{path.stem}:{lineno}")), "source": str(path),
+            rid = row.get("id")
+            if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, str) and not rid.strip()):
+                rid = f"{path.stem}:{lineno}"  # absent, null, empty or not a scalar id: the line names the row
+            rec = {"id": str(rid), "source": str(path),
                    "kind": row.get("kind", "chat")}
             if isinstance(row.get("prompt"), str) and row["prompt"].strip():
                 rec["prompt"] = row["prompt"]
