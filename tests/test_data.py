@@ -174,6 +174,25 @@ def test_build_writes_shards_manifest_and_resumes(tiny, tmp_path):
     assert s.response_start == len(row["prompt_ids"])
 
 
+def test_damaged_rows_are_named_by_file_and_line(tiny, tmp_path):
+    out = tmp_path / "ds"
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 3))], out, max_new_tokens=3, progress=False)
+    shard = out / "data-00000.jsonl"
+    good = shard.read_text().splitlines()
+    row = json.loads(good[1])
+    for damage, needle in ((lambda r: r.pop("prompt_ids"), "prompt_ids must be"),
+                           (lambda r: r.update(response_ids="abc"), "response_ids must be"),
+                           (lambda r: r.update(prompt_ids=[1.5, 2]), "prompt_ids must be"),
+                           (None, "not valid JSON")):
+        bad = dict(row)
+        text = "{oops" if damage is None else (damage(bad), json.dumps(bad))[1]
+        shard.write_text("\n".join([good[0], text, *good[2:]]) + "\n")
+        with pytest.raises(ValueError, match=f"data-00000.jsonl, line 2: {needle}"):
+            B.load_dataset(out, tiny)
+        with pytest.raises(ValueError, match=f"line 2: {needle}"):  # --resume scans the rows too
+            B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, resume=True, progress=False)
+
+
 def test_second_build_into_the_same_directory_is_refused(tiny, tmp_path):
     """Two builds appending to one --out duplicated rows; the second now stops at once."""
     out = tmp_path / "ds"

@@ -85,12 +85,9 @@ def _repair_and_scan(out: Path) -> tuple[set[str], dict]:
         if keep != len(data):
             with open(shard, "r+b") as f:
                 f.truncate(keep)
-        for line in data[:keep].splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done.add(row["id"])
+        for lineno, line in enumerate(data[:keep].splitlines(), 1):
+            row = _parse_row(line, shard, lineno)
+            done.add(str(row["id"]))
             counts["prompts"] += 1
             counts["prompt_tokens"] += len(row["prompt_ids"])
             counts["response_tokens"] += len(row["response_ids"])
@@ -245,6 +242,9 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
             raise ValueError(f"{out} holds data built for target {man.get('target')!r} "
                              f"(tokenizer {man.get('tokenizer', {}).get('name_or_path')}), not for "
                              f"target {tgt.name!r}; use another --out directory")
+        if man is not None and man.get("kind") == "text":
+            raise ValueError(f"{out} holds a `dspine data text` set (teacher-forcing text), not target-"
+                             f"regenerated rows; use another --out")
         if man is None and _shards(out):
             raise ValueError(f"{out} has data shards but no {MANIFEST}; use another --out directory")
         if man is not None and man.get("counts", {}).get("prompts", 0) > 0 and not resume:
@@ -275,7 +275,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                     "max_prompts": max_prompts, "shard": f"{k_shard}/{n_shard}",
                     "complete": False})
         run = {"started": _now(), "sources": list(sources), "settings": settings, "new_rows": 0}
-        man["runs"].append(run)
+        man.setdefault("runs", []).append(run)
 
         def save(complete: bool = False) -> None:
             man.update(counts=dict(counts), shards=[p.name for p in _shards(out)], updated=_now(),
@@ -380,7 +380,8 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
     Args:
         target: a loaded ``Target`` or a target name (loaded to fingerprint its tokenizer).
     Raises:
-        ValueError: no manifest, or the manifest's target/tokenizer differs (names both).
+        ValueError: no manifest, the manifest's target/tokenizer differs (names both), or
+            a damaged row (names the shard file and line).
     """
     from ..target import Target, load_target
 
@@ -400,14 +401,38 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
     seqs = []
     for shard in _shards(d):
         with open(shard, "rb") as f:
-            for line in f:
+            for lineno, line in enumerate(f, 1):
                 if not line.endswith(b"\n"):
                     break  # torn tail of an interrupted run
-                row = json.loads(line)
+                row = _parse_row(line, shard, lineno)
                 p, r = row["prompt_ids"], row["response_ids"]
-                seqs.append(Sequence(row["id"], p + r, len(p), bool(row["finished"]),
-                                     row["source"], row.get("kind", "chat")))
+                seqs.append(Sequence(str(row["id"]), p + r, len(p), bool(row.get("finished", False)),
+                                     str(row.get("source", "?")), row.get("kind", "chat")))
     return seqs
+
+
+def _ids_ok(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _parse_row(line: bytes, shard: Path, lineno: int) -> dict:
+    """One data row, checked: an object with ``id`` and integer lists ``prompt_ids`` /
+    ``response_ids``.
+
+    Raises:
+        ValueError: naming the shard file and line (damaged or hand-edited data).
+    """
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{shard}, line {lineno}: not valid JSON ({e}); the data is damaged") from None
+    if not isinstance(row, dict) or "id" not in row:
+        raise ValueError(f"{shard}, line {lineno}: not a data row (an object with id, prompt_ids, response_ids)")
+    for k in ("prompt_ids", "response_ids"):
+        if not _ids_ok(row.get(k)):
+            raise ValueError(f"{shard}, line {lineno}: {k} must be a list of integer token ids, got "
+                             f"{str(row.get(k))[:40]!r}; the data is damaged")
+    return row
 
 
 # -- command line ---------------------------------------------------------------------------
