@@ -108,6 +108,17 @@ def test_resume_survives_an_interrupted_save(tmp_path):
     assert again.resume() and again.step == 1 and (ck / "trainer.pt").exists()
     ck.rename(tmp_path / "ckpt.old")  # crash after ckpt/ -> ckpt.old/, with no ckpt.tmp/
     assert Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()
+    saved = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(saved[:100])  # truncated weights
+    with pytest.raises(ValueError, match="model.safetensors is damaged"):
+        Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()
+    (ck / "model.safetensors").write_bytes(saved)
+    state = (ck / "trainer.pt").read_bytes()
+    (ck / "trainer.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="trainer.pt is damaged"):
+        Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()
+    (ck / "trainer.pt").write_bytes(state)
+    assert Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()
     (ck / "trainer.pt").unlink()  # ckpt/ without its trainer state
     with pytest.raises(ValueError, match="incomplete"):
         Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()

@@ -234,7 +234,14 @@ class Trainer:
             diff = {k: (v, getattr(self.cfg, k)) for k, v in asdict(saved).items() if getattr(self.cfg, k) != v}
             raise ValueError(f"--resume: checkpoint in {ck} was trained with another drafter config "
                              f"(checkpoint vs this run: {diff}); use a new --out")
-        st = torch.load(ck / "trainer.pt", weights_only=False, map_location="cpu")
+        try:
+            st = torch.load(ck / "trainer.pt", weights_only=False, map_location="cpu")
+            if not isinstance(st, dict) or not {"opt", "step", "subset"} <= set(st):
+                raise ValueError("not a trainer state")
+        except Exception as e:  # noqa: BLE001 (pickle, zip and value errors alike)
+            raise ValueError(f"--resume: {ck / 'trainer.pt'} is damaged or not a dspine trainer state "
+                             f"({type(e).__name__}: {e}); start a new --out, or --init-from a drafter "
+                             f"checkpoint") from None
         now = asdict(self.tc)
         for k, v in (st.get("train_config") or {}).items():
             if k not in self._RESUMABLE and k in now and now[k] != v:
@@ -246,7 +253,12 @@ class Trainer:
             raise ValueError(f"--resume: {ck} was trained on other --data (sha256 of the sequences "
                              f"{fp[:12]}, this run {self.data_fingerprint()[:12]}); resume with the same "
                              f"--data list or start a new --out (--init-from {ck} warm-starts the weights)")
-        self.model.load_state_dict(load_file(str(ck / "model.safetensors")))
+        try:
+            weights = load_file(str(ck / "model.safetensors"))
+        except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
+            raise ValueError(f"--resume: {ck / 'model.safetensors'} is damaged ({type(e).__name__}: {e}); "
+                             f"start a new --out") from None
+        self.model.load_state_dict(weights)
         self.opt.load_state_dict(st["opt"])  # moves the optimizer state to the parameters' device
         self.step, self.wall = st["step"], st.get("wall", 0.0)
         self.subset = None if st["subset"] is None else st["subset"].to(self.device)
