@@ -188,10 +188,13 @@ def test_cli_rejects_bad_settings(capsys):
 
 
 def test_earlier_results_are_not_overwritten_without_flag(tmp_path, capsys, monkeypatch):
-    prev = tmp_path / "results.jsonl"
-    prev.write_text('{"run_id": "earlier"}\n')
+    prev = tmp_path / "report.md"  # any file of an earlier run counts
+    prev.write_text("earlier")
     assert main(["bench", "--target", "random:llama", "--modes", "ar", "--out", str(tmp_path)]) == 2
-    assert "--overwrite" in capsys.readouterr().err and prev.read_text() == '{"run_id": "earlier"}\n'
+    assert "--overwrite" in capsys.readouterr().err and prev.read_text() == "earlier"
+    assert main(["bench", "--target", "random:llama", "--modes", "ar", "--out", str(prev)]) == 2
+    assert "is a file" in capsys.readouterr().err
+    (tmp_path / "speedup.png").write_bytes(b"old plot")
 
     class Started(Exception):
         pass
@@ -202,6 +205,22 @@ def test_earlier_results_are_not_overwritten_without_flag(tmp_path, capsys, monk
     monkeypatch.setattr(H, "Harness", harness)
     with pytest.raises(Started):  # with --overwrite the check passes and the run starts
         H.run_bench(H.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
+    assert not prev.exists() and not (tmp_path / "speedup.png").exists()  # no stale file of the earlier run
+
+
+def test_exit_status_is_1_when_requests_failed(tmp_path, monkeypatch, capsys):
+    import dspine.bench.cli as bc
+
+    def fake(cfg, out, **kw):
+        return {"results": [{"workload": "short", "mode": "ar", "failures": failures}], "requests": 2,
+                "notes": [], "wall_s": 0.1}
+
+    monkeypatch.setattr(bc, "run_bench", fake)
+    argv = ["bench", "--target", "random:llama", "--modes", "ar", "--out", str(tmp_path)]
+    failures = 0
+    assert main(argv) == 0
+    failures = 2
+    assert main(argv) == 1 and "2 request(s) failed" in capsys.readouterr().err
 
 
 def test_full_run_needs_drafters(monkeypatch):

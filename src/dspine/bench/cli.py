@@ -78,11 +78,17 @@ def cmd_bench(args) -> int:
              for g in summary["results"]]
     print(json.dumps({"out": str(out), "wall_s": summary.get("wall_s"), "requests": summary["requests"],
                       "results": brief, "notes": summary["notes"]}, default=str))
+    failed = sum(int(g.get("failures") or 0) for g in summary["results"])
+    if failed:  # errors / timeouts are in the report; the exit status says so too
+        print(f"dspine bench: {failed} request(s) failed (error or timeout); see {out}/report.md",
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``dspine bench`` (sets ``func``)."""
+    """Register ``dspine bench`` (sets ``func``). Exit status: 0, 1 when any request
+    failed (error or timeout; counted in the report), 2 for bad settings."""
     p = subparsers.add_parser("bench", help="benchmark every mode under one setup (spec s.10)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true",

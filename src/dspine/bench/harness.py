@@ -393,21 +393,33 @@ class Harness:
                     bar.update(1)
 
 
+# files a run writes into --out (plots only without --no-plots)
+RESULT_FILES = ("results.jsonl", "summary.json", "report.md", "speedup.png", "acceptance.png",
+                "cycle_split.png")
+
+
 def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plots: bool = True,
               target=None, overwrite: bool = False) -> dict:
     """Run the benchmark and write ``results.jsonl``, ``summary.json``, ``report.md`` and
     the plots into ``out_dir``. Returns the summary.
 
     Raises:
-        BenchError: ``out_dir`` already holds a run's ``results.jsonl`` and ``overwrite``
-            is False (checked before any model is loaded; nothing is written).
+        BenchError: ``out_dir`` is a file, or holds an earlier run's files
+            (:data:`RESULT_FILES`) and ``overwrite`` is False (checked before any model is
+            loaded; nothing is written). With ``overwrite`` those files are removed first.
     """
     from .report import summarize, write_report
 
-    prev = Path(out_dir) / "results.jsonl"
-    if prev.exists() and not overwrite:
-        raise BenchError(f"--out {out_dir} already holds the results of an earlier run ({prev}); "
-                         f"pass --overwrite to replace them or choose another --out")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out_dir} is a file, not a directory")
+    prev = [out / f for f in RESULT_FILES if (out / f).exists()]
+    if prev and not overwrite:
+        raise BenchError(f"--out {out_dir} already holds the results of an earlier run "
+                         f"({', '.join(p.name for p in prev)}); pass --overwrite to replace them "
+                         f"or choose another --out")
+    for p in prev:  # --overwrite: no file of the earlier run survives beside the new ones
+        p.unlink()
     t0 = time.perf_counter()
     h = Harness(cfg, target=target)
     rows = h.run(out_dir, progress=progress)
