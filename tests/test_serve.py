@@ -295,6 +295,14 @@ def test_validation_errors(server):
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
         r = c.get("/v1/nothing")
         assert r.status_code == 404 and "error" in r.json()
+        for path, raw, param in (("/v1/completions", b'{"prompt": "\\ud800"}', "prompt"),  # lone surrogate
+                                 ("/v1/chat/completions",
+                                  b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages")):
+            r = c.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        # a tiny temperature is the argmax limit, not a crash of the batch (was a 500 for all)
+        r = c.post("/v1/completions", json={"prompt": "x", "temperature": 2e-308, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     h = health(server)
     assert h["running"] == 0 and h["cache_bytes"] == 0
 

@@ -271,7 +271,10 @@ def create_app(batch: BatchEngine, model_name: str, max_queue: int = 64, info: d
         if isinstance(p, str):
             if not p:
                 raise APIError(400, "prompt is empty", "prompt", code="empty_prompt")
-            ids = target.encode_prompt(p)
+            try:
+                ids = target.encode_prompt(p)
+            except UnicodeError as e:  # e.g. a lone surrogate such as "\ud800"
+                raise APIError(400, f"prompt is not valid Unicode text: {e}", "prompt") from None
         else:
             ids = [int(t) for t in p]
         return await _run(body, ids, request, chat=False, default_max=16)
