@@ -135,6 +135,8 @@ def test_missing_and_corrupt_weights(capsys, ckpts, tmp_path):
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--dtype", "float8"], "--dtype"),
     (["--mode", "medusa"], "medusa"),
+    (["--seed", "18446744073709551616"], "--seed"),
+    (["--seed", "-1"], "--seed"),
 ])
 def test_bad_settings(capsys, args, needle):
     code, out, err = cli(capsys, *_gen("--drafter", "random", *args))

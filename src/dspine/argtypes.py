@@ -31,6 +31,14 @@ def nonneg_int(text: str) -> int:
     return v
 
 
+def seed_int(text: str) -> int:
+    """A random seed 0 .. 2**63 - 1 (what ``torch.Generator.manual_seed`` takes without wrapping)."""
+    v = _int(text)
+    if not 0 <= v <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0 .. 2**63 - 1, got {text!r}")
+    return v
+
+
 def port_number(text: str) -> int:
     """A TCP port 0..65535 (0 picks a free port)."""
     v = _int(text)

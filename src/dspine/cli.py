@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import positive_int
+from .argtypes import positive_int, seed_int
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 
@@ -127,7 +127,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")

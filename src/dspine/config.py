@@ -176,6 +176,8 @@ class SamplingConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.min_p < 1):
             raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**63 - 1:
+            raise ConfigError(f"seed must be an integer in 0 .. 2**63 - 1, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import nonneg_int, positive_int
+from ..argtypes import nonneg_int, positive_int, seed_int
 from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
 from .workloads import parse_workloads
 
@@ -119,7 +119,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=SAMPLED.min_p)
     p.add_argument("--repeats", type=positive_int, default=None, help="repeats per prompt (default 3; smoke 1)")
     p.add_argument("--warmup", type=nonneg_int, default=None, help="warm-up runs per mode and setting (default 1)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_int, default=None)
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
     p.add_argument("--code-timeout", type=float, default=None, help="seconds per HumanEval test run (default 10)")
     p.add_argument("--concurrency", default=None,

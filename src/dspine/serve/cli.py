@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from ..argtypes import nonneg_int, port_number
+from ..argtypes import nonneg_int, port_number, seed_int
 
 
 def cmd_serve(args) -> int:
@@ -75,7 +75,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="seed of a random drafter")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of a random drafter")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --target)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM")

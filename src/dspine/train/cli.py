@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import nonneg_int, positive_float, positive_int
+from ..argtypes import nonneg_int, positive_float, positive_int, seed_int
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
@@ -294,7 +294,7 @@ def add_train_parser(sub) -> None:
                    help="bf16 autocast for the drafter (default: on for CUDA, off on CPU)")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when available, under torchrun cuda:LOCAL_RANK) | cpu | cuda | cuda:N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--save-every", type=positive_int, default=100)
     p.add_argument("--eval-every", type=nonneg_int, default=0)
     p.add_argument("--eval-prompts", type=nonneg_int, default=4)
