@@ -92,6 +92,11 @@ def test_block_size_mismatch(capsys, ckpts):
     assert_error(code, err, "--block-size 8", "block size 16")
 
 
+def test_acceptance_mode_mismatch(capsys, ckpts):
+    code, out, err = cli(capsys, "acceptance", "--target", CLI_TARGET, "--drafter", ckpts["good"], "--mode", "dflash")
+    assert_error(code, err, "--mode dflash does not match", "trained as dspine")
+
+
 def test_mode_mismatch(capsys, ckpts):
     code, out, err = cli(capsys, *_gen("--drafter", ckpts["dflash"], "--mode", "dspine"))
     assert_error(code, err, "--mode dspine", "dflash")
@@ -202,6 +207,7 @@ def test_generate_notes_ignored_settings(capsys):
     (["data", "build", "--prompts", "stdlib", "--out", "o", "--batch-size", "0"], "--batch-size"),
     (["data", "text", "--out", "o", "--seq-len", "4"], "--seq-len"),
     (["acceptance", "--drafter", "random", "--n", "0"], "--n"),
+    (["acceptance", "--drafter", "random", "--target", "random:llama", "--dtype", "float16"], "float16"),
 ])
 def test_bad_settings_of_every_command(capsys, tmp_path, monkeypatch, argv, needle):
     """One ``dspine: error:`` line naming the setting, exit 2, nothing written."""

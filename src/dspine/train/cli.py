@@ -256,15 +256,20 @@ def cmd_train_features(args) -> int:
 
 
 def cmd_acceptance(args) -> int:
-    from ..draft import load_drafter, random_drafter
+    from ..draft import DrafterError, load_drafter, random_drafter
     from ..target import load_target
-    from ..guards import resolve_device
+    from ..guards import resolve_device, validate_runtime
 
-    target = load_target(args.target, dtype=args.dtype, device=str(resolve_device(args.device)))
+    device = str(resolve_device(args.device))
+    validate_runtime(None, None, dtype=args.dtype, device=device)  # as `generate`, before loading
+    target = load_target(args.target, dtype=args.dtype, device=device)
     if args.drafter == "random":  # untrained baseline (tau of a drafter that knows nothing)
-        model = random_drafter(target, mode=args.mode, dtype=target.dtype)
+        model = random_drafter(target, mode=args.mode or "dspine", dtype=target.dtype)
     else:
         model = load_drafter(args.drafter, target, dtype=target.dtype)
+        if args.mode and args.mode != model.cfg.mode:
+            raise DrafterError(f"--mode {args.mode} does not match drafter {args.drafter} "
+                               f"(trained as {model.cfg.mode}); leave --mode out for a checkpoint")
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True)
     print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, **res}))
@@ -325,7 +330,8 @@ def add_train_parser(sub) -> None:
     a = sub.add_parser("acceptance", help="held-out acceptance length of a drafter (engine loop)")
     a.add_argument("--target", default="smollm2-135m")
     a.add_argument("--drafter", required=True, help="checkpoint directory, or 'random' (untrained baseline)")
-    a.add_argument("--mode", default="dspine", choices=["dspine", "dflash"], help="mode of a random drafter")
+    a.add_argument("--mode", default=None, choices=["dspine", "dflash"],
+                   help="mode of a random drafter (default dspine); a checkpoint runs as trained")
     a.add_argument("--sets", nargs="+", default=["code", "chat"])
     a.add_argument("--n", type=positive_int, default=16)
     a.add_argument("--max-new-tokens", type=positive_int, default=96)
