@@ -200,6 +200,7 @@ def test_generate_notes_ignored_settings(capsys):
     (["train", "--data", "d", "--out", "o", "--vocab-subset", "-5"], "--vocab-subset"),
     (["train", "--data", "d", "--out", "o", "--device", "tpu"], "--device"),
     (["serve", "--port", "99999"], "--port"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout"),
     (["bench", "--modes", "ar", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["bench", "--modes", "ar", "--limit", "0"], "--limit"),
     (["bench", "--modes", "dspine", "--dtype", "float16"], "--dtype float16"),

@@ -562,3 +562,44 @@ def test_queue_limit_holds_while_a_request_is_being_admitted(ar):
         release.set()
         sched.stop()
         loop.close()
+
+
+def test_shutdown_deadline_answers_running_requests_with_503():
+    """Requests still running when the graceful-shutdown time runs out get a proper
+    OpenAI-style 503 (JSON; for a stream an error event and [DONE]) instead of a bare
+    500 or a cut stream; their state is freed."""
+    target = load_target(MODEL)
+    batch = BatchEngine(Engine(target, None, "ar"), 4)
+    step = batch.step
+
+    def slow_step():  # keep the requests running past the deadline
+        time.sleep(0.05)
+        return step()
+
+    batch.step = slow_step
+    srv = ServerThread(create_app(batch, MODEL), shutdown_timeout=1.0).start()
+    box: dict = {}
+
+    def plain():
+        box["plain"] = httpx.post(srv.url + "/v1/completions", timeout=60,
+                                  json={"prompt": "hi", "max_tokens": 300, "temperature": 0})
+
+    def stream():
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "hi", "max_tokens": 300, "temperature": 0, "stream": True}) as s:
+            box["stream"] = [x for x in s.iter_lines() if x.startswith("data: ")]
+
+    threads = [threading.Thread(target=f) for f in (plain, stream)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    while health(srv)["running"] < 2 and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    srv.stop()
+    for t in threads:
+        t.join(60)
+    r = box["plain"]
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    ev = sse_events(box["stream"])
+    assert ev[-1] == "[DONE]" and "shutting down" in ev[-2]["error"]["message"], ev[-3:]
+    assert not batch.running  # the cancelled requests' state is freed

@@ -47,6 +47,17 @@ def port_number(text: str) -> int:
     return v
 
 
+def nonneg_float(text: str) -> float:
+    """A finite number >= 0 (timeouts in seconds)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (learning rates, scales)."""
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from ..argtypes import nonneg_int, port_number, seed_int
+from ..argtypes import nonneg_float, nonneg_int, port_number, seed_int
 
 
 def cmd_serve(args) -> int:
@@ -77,8 +77,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--seed", type=seed_int, default=0, help="seed of a random drafter")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --target)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish on SIGINT/SIGTERM")
+    p.add_argument("--shutdown-timeout", type=nonneg_float, default=30.0,
+                   help="seconds running requests get to finish on SIGINT/SIGTERM; those still "
+                        "running then get a 503")
     p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)

@@ -26,11 +26,30 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 def make_server(app, shutdown_timeout: float = 30.0, log_level: str = "warning"):
+    """A uvicorn server for ``app`` whose graceful shutdown ends requests cleanly.
+
+    uvicorn gives open connections ``shutdown_timeout`` seconds, then cancels their
+    handlers, which would answer with a bare 500 or cut a stream short. So shortly
+    before that deadline (``shutdown_timeout`` minus min(1 s, half of it)) the app's
+    scheduler (``app.state.scheduler``, if any) is stopped: requests still running get
+    an OpenAI-style 503 (JSON, or an SSE error event and ``[DONE]``) and their state is
+    freed.
+    """
     import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            sched = getattr(getattr(app, "state", None), "scheduler", None)
+            if sched is not None:
+                t = float(shutdown_timeout)
+                timer = threading.Timer(max(0.0, t - min(1.0, t / 2)), sched.stop)
+                timer.daemon = True
+                timer.start()
+            await super().shutdown(sockets=sockets)
 
     cfg = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=shutdown_timeout,
                          access_log=False, timeout_keep_alive=5)
-    return uvicorn.Server(cfg)
+    return _Server(cfg)
 
 
 class ServerThread:
