@@ -256,6 +256,19 @@ def test_interrupt_exits_130_with_a_resume_hint(capsys, monkeypatch):
     assert code == 130 and "interrupted" in err and "Traceback" not in err
 
 
+def test_sigterm_stops_a_command_like_ctrl_c():
+    """`kill PID` (SIGTERM) of a long command gives the same clean stop as Ctrl-C, exit 143
+    (a background job started by a script ignores SIGINT, so SIGTERM is how it is stopped)."""
+    code = ("import sys, time, dspine.cli as c\n"
+            "def slow(args):\n    print('started', flush=True)\n    time.sleep(60)\n"
+            "c.cmd_generate = slow\nsys.exit(c.main(['generate', 'hi']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "terminated; what was saved is kept" in err and "Traceback" not in err
+
+
 def test_interrupted_target_conversion_leaves_no_folder(tmp_path):
     """A failed conversion removes its temporary folder; folders left by killed
     conversions (dead pid) are removed by the next one, a live one's are kept."""

@@ -162,12 +162,29 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see `{self.prog} --help`)")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an interruption so long commands stop as cleanly as on Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Returns the exit code (2 for bad settings, 130 when interrupted)."""
+    """Entry point. Returns the exit code (2 for bad settings, 130 when interrupted by
+    SIGINT, 143 by SIGTERM; either way what was saved is kept, as on Ctrl-C: a
+    ``kill PID`` of a background ``data build`` / ``train`` is a clean stop too)."""
+    import signal
+    import threading
+
     parser = _Parser(prog="dspine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     _optional_parsers(sub)
+    prev = None
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # `serve` installs its own while serving
+        prev = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)
@@ -178,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print("dspine: interrupted; what was saved is kept (resumable commands continue with --resume)",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"dspine: {'terminated' if isinstance(e, Terminated) else 'interrupted'}; what was saved is "
+              f"kept (resumable commands continue with --resume)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
 
 
 if __name__ == "__main__":
