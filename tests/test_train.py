@@ -348,6 +348,14 @@ def test_feature_store_damage_is_detected_or_repaired(tmp_path):
         idx.write_bytes(good_idx + (_json.dumps(bad) + "\n").encode())
         with pytest.raises(FeatureStoreError, match="corrupt store"):
             FeatureStore(fs, tg, cfg.feature_layers, seqs, 48)
+    idx.write_bytes(good_idx)
+    (fs / "shard-x.idx.jsonl").write_text("not ours\n")  # a look-alike file is not a shard: ignored
+    assert len(FeatureStore(fs, tg, cfg.feature_layers, seqs, 48)) == 6
+    meta = (fs / "store.json").read_text()
+    (fs / "store.json").write_text("[1, 2]")
+    with pytest.raises(FeatureStoreError, match="not a store description"):
+        FeatureStore(fs, tg, cfg.feature_layers, seqs, 48)
+    (fs / "store.json").write_text(meta)
     with pytest.raises(ValueError, match="max-len"):
         build_feature_store(tg, cfg.feature_layers, seqs, 0, tmp_path / "x", progress=False)
     assert not (tmp_path / "x").exists()

@@ -68,9 +68,24 @@ def _diff(have: dict, want: dict) -> str:
 
 def _read_json(f: Path) -> dict:
     try:
-        return json.loads(f.read_text())
+        d = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise FeatureStoreError(f"{f}: unreadable ({e}); the store is corrupt, rebuild it in a new directory") from None
+    if not isinstance(d, dict):
+        raise FeatureStoreError(f"{f}: not a store description (a JSON object); the store is corrupt, "
+                                f"rebuild it in a new directory")
+    return d
+
+
+def _shard_indexes(d: Path) -> list[tuple[int, Path]]:
+    """(shard number, index file) of ``d``'s ``shard-<K>.idx.jsonl`` files, by K; files
+    that only look similar (``shard-x.idx.jsonl``) are not the store's and are ignored."""
+    out = []
+    for idx in d.glob("shard-*.idx.jsonl"):
+        k = idx.name[len("shard-"):-len(".idx.jsonl")]
+        if k.isdigit():
+            out.append((int(k), idx))
+    return sorted(out)
 
 
 def read_index(idx: Path, n_seqs: int, lengths: list[int] | None = None) -> tuple[list[dict], int]:
@@ -133,8 +148,7 @@ class FeatureStore:
 
     def refresh(self) -> None:
         """Re-read the shard indexes (picks up sequences written since)."""
-        for idx in sorted(self.path.glob("shard-*.idx.jsonl")):
-            k = int(idx.name.split("-")[1].split(".")[0])
+        for k, idx in _shard_indexes(self.path):
             binf = self.path / f"shard-{k}.bin"
             rows = binf.stat().st_size // (2 * self.width) if binf.exists() else 0
             recs, _ = read_index(idx, self.n_seqs, self.lengths)
@@ -174,7 +188,7 @@ class _Reuse:
             diff = _diff(have, {k: meta[k] for k in keys})
             if diff:
                 raise FeatureStoreError(f"--reuse {d} was built for other settings: {diff}")
-            for idx in sorted(d.glob("shard-*.idx.jsonl")):
+            for _, idx in _shard_indexes(d):
                 binf = idx.with_name(idx.name.replace(".idx.jsonl", ".bin"))
                 nrows = binf.stat().st_size // (2 * meta["width"]) if binf.exists() else 0
                 recs, _ = read_index(idx, int(have.get("n_seqs", 0)))
@@ -245,8 +259,8 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
         tmp.replace(sf)
     lengths = [min(len(s), max_len) for s, _ in seqs]
     done = set()
-    for other in out.glob("shard-*.idx.jsonl"):
-        if other.name != f"shard-{shard}.idx.jsonl":
+    for k, other in _shard_indexes(out):
+        if k != shard:
             done |= {r["i"] for r in read_index(other, len(seqs), lengths)[0]}
     idxf, binf = out / f"shard-{shard}.idx.jsonl", out / f"shard-{shard}.bin"
     rows = 0
