@@ -214,6 +214,14 @@ def _ddp_worker(rank, world, tmp, result_dir):
         tr.train_step()
     if rank == 0:
         torch.save(tr.model.state_dict(), Path(result_dir) / "ddp.pt")
+    tr.save()  # rank 0 writes; then a crash inside the next save is simulated
+    torch.distributed.barrier()
+    if rank == 0:
+        (Path(result_dir) / "ckpt").rename(Path(result_dir) / "ckpt.tmp")
+    torch.distributed.barrier()
+    again = Trainer(tg, _cfg(tg), _seqs(length=40), Path(result_dir), _tc(steps=3, save_every=100))
+    assert again.resume() and again.step == 3  # rank 0 recovers it, every rank then loads it
+    torch.save(again.model.state_dict(), Path(result_dir) / f"resumed{rank}.pt")
     torch.distributed.barrier()  # no rank tears gloo down while the other still uses it
     torch.distributed.destroy_process_group()
 
@@ -222,6 +230,9 @@ def test_two_process_training_matches_one_process(tmp_path):
     """2 gloo processes x batch 2 == 1 process x batch 4 after a few steps."""
     mp.start_processes(_ddp_worker, args=(2, str(tmp_path), str(tmp_path)), nprocs=2, start_method="spawn")
     ddp = torch.load(tmp_path / "ddp.pt")
+    for r in (0, 1):  # both ranks resumed the same state after the interrupted save
+        resumed = torch.load(tmp_path / f"resumed{r}.pt")
+        assert all(torch.equal(resumed[k], v) for k, v in ddp.items())
     tg = load_target("random:llama", vocab_size=256)
     tr = Trainer(tg, _cfg(tg), _seqs(length=40), tmp_path / "single", _tc(steps=3, save_every=100))
     for _ in range(3):

@@ -185,16 +185,13 @@ class Trainer:
             self._data_fp = data_fingerprint(self.seqs, self.tc.max_len)
         return self._data_fp
 
-    def _recover_checkpoint(self) -> Path | None:
-        """The complete checkpoint directory after a possibly interrupted :meth:`save`.
-
-        Returns None when no checkpoint was ever written.
-        Raises:
-            ValueError: ``ckpt/`` exists but is incomplete and nothing can replace it.
-        """
+    def _recover_checkpoint(self) -> None:
+        """Finish an interrupted :meth:`save`: when ``ckpt/`` has no ``trainer.pt`` but a
+        complete ``ckpt.tmp/`` (newer) or ``ckpt.old/`` is left, move it to ``ckpt/``.
+        Rank 0 only (other ranks wait at a barrier in :meth:`resume`)."""
         ck, tmp, old = self.out / "ckpt", self.out / "ckpt.tmp", self.out / "ckpt.old"
         if (ck / "trainer.pt").exists():
-            return ck
+            return
         for src in (tmp, old):  # crash between the renames: the newest complete state
             if (src / "trainer.pt").exists() and (src / "model.safetensors").exists():
                 if ck.exists():
@@ -202,11 +199,7 @@ class Trainer:
                     shutil.rmtree(ck)
                 src.rename(ck)
                 print(f"note: recovered the checkpoint of an interrupted save from {src.name}/", file=sys.stderr)
-                return ck
-        if ck.exists():
-            raise ValueError(f"--resume: {ck} is incomplete (no trainer.pt) and no complete ckpt.tmp/ or "
-                             f"ckpt.old/ is left; restore it or start a new --out")
-        return None
+                return
 
     # settings a resumed run may change (how long, how often to save / evaluate, where)
     _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
@@ -224,8 +217,15 @@ class Trainer:
                 other training settings (all but steps, save/eval cadence and device) or
                 other training data (sha256 of the sequences), each named.
         """
-        ck = self._recover_checkpoint()
-        if ck is None:
+        if self.rank == 0:
+            self._recover_checkpoint()
+        if self.world > 1:  # every rank reads the checkpoint rank 0 may just have recovered
+            dist.barrier()
+        ck = self.out / "ckpt"
+        if not (ck / "trainer.pt").exists():
+            if ck.exists():
+                raise ValueError(f"--resume: {ck} is incomplete (no trainer.pt) and no complete ckpt.tmp/ or "
+                                 f"ckpt.old/ is left; restore it or start a new --out")
             return False
         from safetensors.torch import load_file
 
