@@ -193,6 +193,18 @@ def test_damaged_rows_are_named_by_file_and_line(tiny, tmp_path):
             B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, resume=True, progress=False)
 
 
+def test_build_refuses_a_data_text_directory(tiny, tmp_path):
+    out = tmp_path / "text"
+    out.mkdir()
+    man = {"format": "dspine-data/1", "kind": "text", "target": tiny.name,
+           "tokenizer": B.tokenizer_fingerprint(tiny.tokenizer), "counts": {"prompts": 3}}
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ValueError, match="`dspine data text` set"):
+        B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 2))], out, max_new_tokens=3,
+                        resume=True, progress=False)
+    assert json.loads((out / "manifest.json").read_text()) == man  # nothing changed
+
+
 def test_second_build_into_the_same_directory_is_refused(tiny, tmp_path):
     """Two builds appending to one --out duplicated rows; the second now stops at once."""
     out = tmp_path / "ds"
