@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dspine.data import build as B
+from dspine.data import cli as data_cli
 from dspine.data import sources as S
 
 
@@ -341,9 +342,9 @@ def test_cli_parser_registers_data_build():
 
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd")
-    B.add_data_parser(sub)
+    data_cli.add_data_parser(sub)
     args = p.parse_args(["data", "build", "--prompts", "stdlib", "sharegpt", "--out", "x", "--resume"])
-    assert args.func is B._cmd_build and args.prompts == ["stdlib", "sharegpt"] and args.resume
+    assert args.func is data_cli._cmd_build and args.prompts == ["stdlib", "sharegpt"] and args.resume
     assert args.dtype == "bfloat16" and args.target == "smollm2-135m"
 
 
@@ -362,3 +363,18 @@ def test_generate_batch_matches_hf_generate_with_row_dropping(tiny):
     assert got == generate_batch_hf(tiny.model, prompts, 20, eos, 0)
     assert 0 < sum(f for _, f in got) < len(got)
     assert all(r[-1] in eos for r, f in got if f) and all(len(r) == 20 for r, f in got if not f)
+
+
+def test_failed_build_leaves_no_lock_file_behind(tiny, tmp_path):
+    """A build refused before writing anything used to leave ``--out/.lock``, so the folder
+    looked used (``dspine data text`` then refused it)."""
+    src = str(_prompts(tmp_path / "a.jsonl", 2))
+    with pytest.raises(ValueError, match="--shard must be k/N"):  # refused after the lock is taken
+        B.build_dataset(tiny, [src], tmp_path / "new", max_new_tokens=3, shard=(2, 2), progress=False)
+    assert not (tmp_path / "new").exists()  # the folder this run created is gone again
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="--shard must be k/N"):
+        B.build_dataset(tiny, [src], tmp_path / "mine", max_new_tokens=3, shard=(2, 2), progress=False)
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())  # kept, still empty
+    man = B.build_dataset(tiny, [src], tmp_path / "mine", max_new_tokens=3, progress=False)
+    assert man["complete"] and (tmp_path / "mine" / ".lock").exists()  # a used folder keeps its lock file

@@ -143,7 +143,7 @@ def _optional_parsers(sub) -> None:
     """Subcommands contributed by other modules (added when present)."""
     import importlib
 
-    for mod, fn in (("dspine.data.build", "add_data_parser"), ("dspine.train.cli", "add_train_parser"),
+    for mod, fn in (("dspine.data.cli", "add_data_parser"), ("dspine.train.cli", "add_train_parser"),
                     ("dspine.bench.cli", "add_bench_parser"), ("dspine.serve.cli", "add_serve_parser"),
                     ("dspine.memory", "add_memory_parser")):
         try:

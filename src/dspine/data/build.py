@@ -15,7 +15,6 @@ Rows are appended one batch at a time with a single write + fsync; a torn last l
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -27,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import nonneg_int, positive_int
 from .generate import cpu_speed_patches, generate_batch, generate_batch_hf  # noqa: F401
 from .sources import interleave, iter_jsonl_prompts, training_prompts
 
@@ -234,6 +232,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     tgt: Target = target if isinstance(target, Target) else load_target(target, dtype=dtype)
     fp = tokenizer_fingerprint(tgt.tokenizer)
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock_dir(out)  # released in the finally below
     try:
@@ -358,6 +357,10 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         return man
     finally:
         if lock is not None:
+            if [q.name for q in out.iterdir()] == [".lock"]:
+                (out / ".lock").unlink()  # nothing written: leave no folder that looks used
+                if created:
+                    out.rmdir()
             lock.close()
 
 
@@ -435,71 +438,7 @@ def _parse_row(line: bytes, shard: Path, lineno: int) -> dict:
     return row
 
 
-# -- command line ---------------------------------------------------------------------------
-def _add_build_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m", help="target name or path (default smollm2-135m)")
-    p.add_argument("--prompts", nargs="+", required=True, metavar="SOURCE",
-                   help="sharegpt, stdlib or JSONL paths (interleaved)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--max-prompts", type=positive_int, default=None)
-    p.add_argument("--max-new-tokens", type=positive_int, default=256)
-    p.add_argument("--batch-size", type=positive_int, default=32)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
-    p.add_argument("--threads", type=nonneg_int, default=None, help="torch CPU threads (default: all)")
-    p.add_argument("--resume", action="store_true", help="continue a directory, skipping done ids")
-    p.add_argument("--shard", default="0/1",
-                   help="k/N: build only prompts i %% N == k of the stream (N processes, N --out dirs)")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_cmd_build)
+if __name__ == "__main__":  # python -m dspine.data.build: same as dspine data build
+    from .cli import main
 
-
-def _cmd_build(args) -> int:
-    man = build_dataset(args.target, args.prompts, args.out, max_prompts=args.max_prompts,
-                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                        dtype=args.dtype, resume=args.resume, threads=args.threads,
-                        max_prompt_tokens=args.max_prompt_tokens, shard=parse_shard(args.shard),
-                        progress=not args.no_progress)
-    print(json.dumps({"out": str(args.out), "counts": man["counts"], "complete": man["complete"]}))
-    return 0
-
-
-def _cmd_info(args) -> int:
-    man = read_manifest(args.dir)
-    if man is None:
-        raise ValueError(f"{args.dir} has no {MANIFEST}")
-    print(json.dumps({k: man.get(k) for k in ("target", "counts", "complete", "sources", "sampling",
-                                              "updated")}, indent=1))
-    return 0
-
-
-def add_data_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``dspine data build|info`` on an argparse subparsers object (sets ``func``)."""
-    p = subparsers.add_parser("data", help="build and inspect drafter training data")
-    sub = p.add_subparsers(dest="data_cmd", required=True)
-    _add_build_args(sub.add_parser("build", help="regenerate target responses for prompt sources"))
-    from .text import add_text_args, cmd_text
-
-    text = sub.add_parser("text", help="teacher-forcing sequences from existing text (fast, EAGLE-style)")
-    add_text_args(text)
-    text.set_defaults(func=cmd_text)
-    info = sub.add_parser("info", help="print a data directory's manifest summary")
-    info.add_argument("dir")
-    info.set_defaults(func=_cmd_info)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dspine.data.build ...``: same options as ``dspine data build``."""
-    p = argparse.ArgumentParser(prog="python -m dspine.data.build", description=__doc__.splitlines()[0])
-    _add_build_args(p)
-    args = p.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
     sys.exit(main())
