@@ -180,3 +180,48 @@ def test_invalid_request_does_not_join(spec):
     with pytest.raises(EngineError):
         be.add([5, 6], None, 10**6)
     assert be.free_slots == 2 and be.cache_bytes() == 0
+
+
+@pytest.mark.parametrize("where", ["verification", "final-stage chain"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_greedy, spec, monkeypatch, batched,
+                                                      where):
+    """A request whose own part of a cycle raises (its verification, or its final-stage
+    chain inside the batched drafter call) finishes with ``finish_reason == "error"``;
+    the other requests of the same cycles keep the exact single-request outputs and
+    every cache is freed. Before, one such request failed the whole batch."""
+    import dspine.batch as batch_mod
+    import dspine.draft as draft_mod
+    import dspine.engine as engine_mod
+
+    bad = {"gen": None, "calls": 0}
+    real = engine_mod.verify if where == "verification" else draft_mod.chain
+
+    def failing_for_one(*args):
+        if args[-1] is bad["gen"]:  # both take the request's generator last
+            bad["calls"] += 1
+            if bad["calls"] >= 3:  # from its third cycle on: it has emitted a few tokens already
+                raise RuntimeError(f"injected {where} failure")
+        return real(*args)
+
+    if where == "verification":
+        monkeypatch.setattr(batch_mod, "verify", failing_for_one)
+        monkeypatch.setattr(engine_mod, "verify", failing_for_one)
+    else:
+        monkeypatch.setattr(draft_mod, "chain", failing_for_one)
+    be = BatchEngine(spec, 4)
+    if not batched:
+        be.batched = False  # the per-request fallback of non-attention targets
+    reqs = [be.add(p, None, m) for p, m in zip(prompts[:4], LENS[:4])]
+    victim = max(range(4), key=lambda i: LENS[i])
+    bad["gen"] = reqs[victim].gen
+    while be.running:
+        be.step()
+    assert bad["calls"] == (4 if batched and where != "verification" else 3)  # batched: failed, retried alone
+    v = reqs[victim]
+    assert v.finish_reason == "error" and f"injected {where} failure" in v.error
+    assert 0 < len(v.out_ids) < LENS[victim] and v.out_ids == ref_greedy[victim].token_ids[:len(v.out_ids)]
+    for i, r in enumerate(reqs):
+        if i != victim:
+            assert r.finish_reason != "error" and r.out_ids == ref_greedy[i].token_ids, i
+    assert be.free_slots == 4 and be.cache_bytes() == 0

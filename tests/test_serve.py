@@ -603,3 +603,45 @@ def test_shutdown_deadline_answers_running_requests_with_503():
     ev = sse_events(box["stream"])
     assert ev[-1] == "[DONE]" and "shutting down" in ev[-2]["error"]["message"], ev[-3:]
     assert not batch.running  # the cancelled requests' state is freed
+
+
+def test_a_request_failing_in_a_batched_cycle_fails_alone(ar, monkeypatch):
+    """Two requests share batched cycles; the verification of one raises. It gets a 500
+    naming the failure, the other finishes with the exact single-request greedy output."""
+    import dspine.batch as batch_mod
+
+    real_verify = batch_mod.verify
+    seen = {"bad": 0}
+
+    def verify_failing_for_seed_7(tokens, q_probs, q_ids, logits, sampling, gen):
+        if sampling.seed == 7:
+            seen["bad"] += 1
+            if seen["bad"] == 8:
+                seen["running"] = len(app.state.batch.running)
+                raise RuntimeError("injected verification failure")
+        return real_verify(tokens, q_probs, q_ids, logits, sampling, gen)
+
+    monkeypatch.setattr(batch_mod, "verify", verify_failing_for_seed_7)
+    eng = Engine(ar.target, DrafterProposer(random_drafter(ar.target, "dspine", seed=0)), "dspine")
+    app = create_app(BatchEngine(eng, 2), MODEL, max_queue=2)
+    with ServerThread(app) as srv:
+        jobs = [("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "seed": 7}),
+                ("/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0, "seed": 8})]
+        with httpx.Client(timeout=60) as c:
+            out: list = [None, None]
+
+            def post(i):
+                out[i] = c.post(srv.url + jobs[i][0], json=jobs[i][1])
+            th = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+            for t in th:
+                t.start()
+            for t in th:
+                t.join(60)
+        assert out[0].status_code == 500 and "injected verification failure" in out[0].json()["error"]["message"]
+        assert out[1].status_code == 200
+        assert seen["running"] == 2  # it failed inside a cycle the two requests shared
+        want = ar.generate(ar.target.encode_prompt(PROMPTS[2]), max_new_tokens=40)
+        assert out[1].json()["choices"][0]["text"] == want.text
+        h = wait_idle(srv)
+        assert h["free_slots"] == 2 and h["cache_bytes"] == 0
+        assert metric(srv, 'dspine_requests_total{endpoint="completions",outcome="error"}') == 1

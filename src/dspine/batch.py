@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SamplingConfig
-from .draft import DrafterProposer, Proposal, dense_proposal
-from .final_stage import candidates, chain, conditional_tables, parallel_argmax
+from .draft import DrafterProposer, Proposal, propose_batch
 from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request
 from .sampling import sample_token
 from .verify import Verdict, verify
@@ -338,13 +337,21 @@ class BatchEngine:
         """One cycle for every running request. Returns ``{id(req): emitted ids}``.
 
         Finished requests leave the batch (their KV is freed); their :class:`Request`
-        keeps ids, text and statistics (use :meth:`Engine.result`).
+        keeps ids, text and statistics (use :meth:`Engine.result`). A request whose own
+        part of the cycle raised finishes with ``finish_reason == "error"`` and
+        ``req.error`` set; the other requests are unaffected (see :meth:`_fail`).
+        Raises whatever the shared drafter or target forward raises.
         """
         if not self.running:
             return {}
         t0 = time.perf_counter()
         if not self.batched:
-            out = {id(r): self.engine.step(r) for r in list(self.running)}
+            out = {}
+            for r in list(self.running):
+                try:
+                    out[id(r)] = self.engine.step(r)
+                except Exception as e:  # noqa: BLE001 (this request only; see _fail)
+                    out[id(r)] = self._fail(r, e)
             c = [r.cycles[-1] for r in self.running if r.cycles]
             self.last_cycle = BatchCycle(len(self.running), sum(x.draft_s for x in c),
                                          sum(x.final_s for x in c), sum(x.verify_s for x in c),
@@ -354,6 +361,20 @@ class BatchEngine:
         for r in [r for r in self.running if r.finished]:
             self.remove(r)
         return out
+
+    @staticmethod
+    def _fail(req: Request, e: Exception) -> list[int]:
+        """Mark ``req`` finished with ``finish_reason == "error"`` (``req.error`` says why).
+
+        Called when the per-request part of a cycle (verification, sampling, a
+        single-request step) raised: that request leaves the batch at the end of the
+        step, the others go on unchanged. A failure of the shared target forward still
+        raises out of :meth:`step` (it cannot be attributed to one request).
+        """
+        req.finished, req.finish_reason = True, "error"
+        req.error = f"{type(e).__name__}: {e}"
+        req.t_end = time.perf_counter()
+        return []
 
     @torch.no_grad()
     def _batched_step(self, t0: float) -> dict[int, list[int]]:
@@ -390,10 +411,17 @@ class BatchEngine:
             tc = time.perf_counter()
             n = ns[i]
             lg = logits[i, : n + 1]
-            if n == 0:
-                verdict = Verdict(0, sample_token(lg[0], req.sampling, req.gen))
-            else:
-                verdict = verify(p.tokens, p.q_probs, p.q_ids, lg, req.sampling, req.gen)
+            if req.finish_reason == "error":  # its proposal failed: nothing to verify or commit
+                out[id(req)] = []
+                continue
+            try:  # the per-request part: a failure here fails this request only
+                if n == 0:
+                    verdict = Verdict(0, sample_token(lg[0], req.sampling, req.gen))
+                else:
+                    verdict = verify(p.tokens, p.q_probs, p.q_ids, lg, req.sampling, req.gen)
+            except Exception as e:  # noqa: BLE001
+                out[id(req)] = self._fail(req, e)  # nothing of this cycle was committed for it
+                continue
             a = verdict.accepted
             self.kv.lengths[i] = starts[i] + a + 1
             req.cache.length = starts[i] + a + 1
@@ -423,14 +451,25 @@ class BatchEngine:
         prop = self.engine.proposer
         if self.batch_draft and len(idx) > 1 and isinstance(prop, DrafterProposer) \
                 and all(reqs[i].draft_state.pos is not None for i in idx):
-            got = _propose_drafter_batch(prop, [reqs[i] for i in idx], [self.kv.lengths[i] for i in idx],
-                                         [ns[i] for i in idx])
-            out = [empty() for _ in reqs]
-            for i, p in zip(idx, got):
-                out[i] = p
-            return out
-        return [prop.propose(r.draft_state, r.anchor, self.kv.lengths[i], ns[i], r.sampling, r.gen)
-                if ns[i] > 0 else empty() for i, r in enumerate(reqs)]
+            try:
+                got = propose_batch(prop, [reqs[i] for i in idx], [self.kv.lengths[i] for i in idx],
+                                    [ns[i] for i in idx])
+            except Exception:  # noqa: BLE001 (retried one by one below: only a culprit fails)
+                got = None
+            if got is not None:
+                out = [empty() for _ in reqs]
+                for i, p in zip(idx, got):
+                    out[i] = p
+                return out
+        out = []
+        for i, r in enumerate(reqs):
+            try:
+                out.append(prop.propose(r.draft_state, r.anchor, self.kv.lengths[i], ns[i], r.sampling, r.gen)
+                           if ns[i] > 0 else empty())
+            except Exception as e:  # noqa: BLE001 (this request only: it drafts nothing and leaves)
+                self._fail(r, e)
+                out.append(empty())
+        return out
 
     # -- convenience ---------------------------------------------------------------------
     def generate_many(self, prompts: list[list[int]], sampling: list[SamplingConfig] | SamplingConfig | None = None,
@@ -449,68 +488,3 @@ class BatchEngine:
                 nxt += 1
             self.step()
         return [self.engine.result(r) for r in reqs]
-
-
-@torch.no_grad()
-def _propose_drafter_batch(prop: DrafterProposer, reqs: list[Request], positions: list[int],
-                           ns: list[int]) -> list[Proposal]:
-    """:meth:`DrafterProposer.propose` for several requests with one drafter forward.
-
-    Context K/V of the requests (ring buffers of different capacity) are padded to the
-    largest capacity with invalid slots; candidates and conditional tables are batched;
-    the serial chain runs per request with its own sampling settings and generator.
-    Shared times are split evenly over the requests.
-    """
-    d, cfg = prop.drafter, prop.cfg
-    t0 = time.perf_counter()
-    dev = d.fc.weight.device
-    b, nmax = len(reqs), max(ns)
-    states = [r.draft_state for r in reqs]
-    cap = max(s.pos.shape[0] for s in states)
-    kv = []
-    for l in range(cfg.num_layers):
-        k0 = states[0].k[l]
-        K = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
-        V = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
-        for j, s in enumerate(states):
-            c = s.pos.shape[0]
-            K[j, :, :c] = s.k[l]
-            V[j, :, :c] = s.v[l]
-        kv.append((K, V))
-    cpos = torch.full((b, cap), -1, dtype=torch.long, device=dev)
-    cvalid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
-    for j, s in enumerate(states):
-        c = s.pos.shape[0]
-        cpos[j, :c], cvalid[j, :c] = s.pos, s.valid
-    a = torch.tensor([[r.anchor] for r in reqs], device=dev)
-    apos = torch.tensor([[p] for p in positions], device=dev)
-    rows = nmax + 1 if cfg.block_causal else None  # causal block: only the rows proposed from
-    out = d.forward_blocks(a, apos, kv, cpos, cvalid, rows=rows)
-    t1 = time.perf_counter()
-    res: list[Proposal] = []
-    if cfg.final_stage:
-        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
-        cand = candidates(d, x.reshape(b * nmax, -1), cfg.head_topk, cfg.coarse_k, prop.qhead)
-        cand = cand.reshape(b, nmax, -1)  # [b, nmax, K]
-        T = conditional_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
-                               a[:, 0], cand)  # [b, nmax, K, K]
-        t2 = time.perf_counter()
-        shared = (t2 - t1) / b
-        for j, r in enumerate(reqs):
-            tc = time.perf_counter()
-            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen)
-            res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
-                                final_s=shared + time.perf_counter() - tc))
-        return res
-    if prop.qhead is not None and all(r.sampling.greedy for r in reqs):  # argmax via the candidate pass
-        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
-        toks = parallel_argmax(d, x.reshape(b * nmax, -1), prop.qhead).view(b, nmax)
-        res = [Proposal(toks[j, : ns[j]].cpu()) for j in range(b)]
-    else:
-        z = d.logits(out.h[:, 0, 1:nmax + 1]).float()  # [b, nmax, V]
-        for j, r in enumerate(reqs):
-            res.append(dense_proposal(z[j, : ns[j]], r.sampling, r.gen, t0))
-    share = (time.perf_counter() - t0) / b
-    for p in res:
-        p.draft_s = share
-    return res

@@ -291,3 +291,71 @@ def read_card(path: str | Path) -> dict:
     """The checkpoint's ``card.json`` metadata, or {} when absent."""
     f = Path(path) / "card.json"
     return json.loads(f.read_text()) if f.exists() else {}
+
+
+@torch.no_grad()
+def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:
+    """:meth:`DrafterProposer.propose` for several requests with one drafter forward.
+
+    ``reqs``: :class:`~dspine.engine.Request` objects (``draft_state``, ``anchor``,
+    ``sampling``, ``gen`` are read); ``positions[j]`` is request j's anchor position and
+    ``ns[j] >= 1`` its verification length. Returns one :class:`Proposal` per request.
+
+    Context K/V of the requests (ring buffers of different capacity) are padded to the
+    largest capacity with invalid slots; candidates and conditional tables are batched;
+    the serial chain runs per request with its own sampling settings and generator.
+    Shared times are split evenly over the requests.
+    """
+    d, cfg = prop.drafter, prop.cfg
+    t0 = time.perf_counter()
+    dev = d.fc.weight.device
+    b, nmax = len(reqs), max(ns)
+    states = [r.draft_state for r in reqs]
+    cap = max(s.pos.shape[0] for s in states)
+    kv = []
+    for l in range(cfg.num_layers):
+        k0 = states[0].k[l]
+        K = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        V = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        for j, s in enumerate(states):
+            c = s.pos.shape[0]
+            K[j, :, :c] = s.k[l]
+            V[j, :, :c] = s.v[l]
+        kv.append((K, V))
+    cpos = torch.full((b, cap), -1, dtype=torch.long, device=dev)
+    cvalid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+    for j, s in enumerate(states):
+        c = s.pos.shape[0]
+        cpos[j, :c], cvalid[j, :c] = s.pos, s.valid
+    a = torch.tensor([[r.anchor] for r in reqs], device=dev)
+    apos = torch.tensor([[p] for p in positions], device=dev)
+    rows = nmax + 1 if cfg.block_causal else None  # causal block: only the rows proposed from
+    out = d.forward_blocks(a, apos, kv, cpos, cvalid, rows=rows)
+    t1 = time.perf_counter()
+    res: list[Proposal] = []
+    if cfg.final_stage:
+        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
+        cand = candidates(d, x.reshape(b * nmax, -1), cfg.head_topk, cfg.coarse_k, prop.qhead)
+        cand = cand.reshape(b, nmax, -1)  # [b, nmax, K]
+        T = conditional_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
+                               a[:, 0], cand)  # [b, nmax, K, K]
+        t2 = time.perf_counter()
+        shared = (t2 - t1) / b
+        for j, r in enumerate(reqs):
+            tc = time.perf_counter()
+            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen)
+            res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
+                                final_s=shared + time.perf_counter() - tc))
+        return res
+    if prop.qhead is not None and all(r.sampling.greedy for r in reqs):  # argmax via the candidate pass
+        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
+        toks = parallel_argmax(d, x.reshape(b * nmax, -1), prop.qhead).view(b, nmax)
+        res = [Proposal(toks[j, : ns[j]].cpu()) for j in range(b)]
+    else:
+        z = d.logits(out.h[:, 0, 1:nmax + 1]).float()  # [b, nmax, V]
+        for j, r in enumerate(reqs):
+            res.append(dense_proposal(z[j, : ns[j]], r.sampling, r.gen, t0))
+    share = (time.perf_counter() - t0) / b
+    for p in res:
+        p.draft_s = share
+    return res

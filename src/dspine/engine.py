@@ -87,7 +87,8 @@ class Request:
     out_ids: list[int] = field(default_factory=list)
     anchor: int = -1  # last emitted token; not yet processed by the target
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    error: str | None = None  # why a cycle of this request failed (finish_reason "error")
     text: str = ""
     cycles: list[CycleRecord] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)

@@ -253,6 +253,8 @@ class EngineRunner(Runner):
         for r in reqs:
             res = self.engine.result(r)
             rows.append(self._row(r, res, mem, r.finish_reason or res.finish_reason))
+            if r.error:  # this request's own part of a cycle failed (finish_reason "error")
+                rows[-1]["error"] = r.error
         return rows
 
 

@@ -263,6 +263,10 @@ class Scheduler:
             m.generation_tokens.inc(len(emitted.get(id(req), [])))
             if job is None:
                 continue
+            if req.finish_reason == "error":  # this request's own part of the cycle failed
+                log.error("request failed in a cycle: %s", req.error)
+                self._error(job, 500, f"internal error: {req.error}")
+                continue
             self._deliver(job)
             if req.finished:
                 self._finish(job)
