@@ -351,6 +351,15 @@ def test_smoke_cli(tmp_path):
     assert s["modes"] == ["ar", "dspine", "dflash", "hf-pld"] and s["requests"] == 20
     assert all(g["failures"] == 0 for g in s["results"])
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
+    import hashlib
+    from dspine.draft import read_card
+    from dspine.cli import default_drafter_path
+    for m in ("dspine", "dflash"):  # the report names which weights ran, not only their path
+        d = default_drafter_path("smollm2-135m", m)
+        sha = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()[:16]
+        steps = read_card(d)["total_steps"]
+        assert s["mode_info"][m]["drafter_sha256"] == sha and s["mode_info"][m]["drafter_steps"] == steps
+        assert f"{steps} training steps, sha256 {sha}" in (tmp_path / "report.md").read_text()
     assert s["wall_s"] > 0 and all(g["greedy_matches_ar"] in (None, 1.0) for g in s["results"]
                                    if g["mode"] in ("dspine", "dflash"))
 

@@ -271,7 +271,10 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         info = info or {}
         det = ", ".join(f"{k}={info[k]}" for k in ("bridge", "final_stage", "block_causal", "prompt_lookup_num_tokens",
                                                   "max_matching_ngram_size", "drafter_dtype") if k in info)
-        L.append(f"| {m} | {info.get('drafter') or '–'} | {info.get('block_size', '–')} | {det or '–'} |")
+        who = info.get("drafter") or "–"
+        extra = ", ".join(x for x in (f"{info['drafter_steps']} training steps" if info.get("drafter_steps") else "",
+                                      f"sha256 {info['drafter_sha256']}" if info.get("drafter_sha256") else "") if x)
+        L.append(f"| {m} | {who}{f' ({extra})' if extra else ''} | {info.get('block_size', '–')} | {det or '–'} |")
     if summary.get("skipped_prompts"):
         L += ["", f"Skipped prompts: {len(summary['skipped_prompts'])} "
                   f"({'; '.join(s['id'] + ': ' + s['reason'] for s in summary['skipped_prompts'][:5])})"]

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -170,6 +171,13 @@ class EngineRunner(Runner):
                 raise EngineError(f"--drafter-{mode} {drafter} was trained as {model.cfg.mode}, "
                                   f"not {mode}")
             self.drafter_path, self.card = str(drafter), read_card(drafter)
+            w = Path(drafter) / "model.safetensors"
+            if w.is_file():  # which weights ran, beyond the path (a path's content changes with commits)
+                h = hashlib.sha256()
+                with open(w, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+                self.drafter_sha256 = h.hexdigest()[:16]
         self.block_size = model.cfg.block_size
         self.drafter_cfg = model.cfg
         with torch.no_grad():
@@ -178,6 +186,10 @@ class EngineRunner(Runner):
     def info(self) -> dict:
         d = {"mode": self.mode, "block_size": self.block_size, "drafter": self.drafter_path,
              "verify_policy": getattr(self, "verify_policy", "fixed")}
+        if getattr(self, "drafter_sha256", None):
+            d["drafter_sha256"] = self.drafter_sha256  # first 16 hex digits of model.safetensors
+        if self.card:
+            d["drafter_steps"] = self.card.get("total_steps") or self.card.get("steps")
         if self.mode != "ar":
             c = self.drafter_cfg
             d.update(drafter_dtype=str(next(self.engine.proposer.drafter.parameters()).dtype).replace("torch.", ""),

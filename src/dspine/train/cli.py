@@ -60,31 +60,57 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     return res
 
 
+def _card_command(cmd) -> str:
+    """A card's command entry: ``"cmd"`` or ``{"cmd": ..., "note": ...}`` (note kept out of the code span)."""
+    if isinstance(cmd, dict):
+        return f"`{cmd.get('cmd')}`" + (f" ({cmd['note']})" if cmd.get("note") else "")
+    return f"`{cmd}`"
+
+
 def write_model_card(ckpt: str | Path) -> Path:
-    """Render ``README.md`` (the model card) of a checkpoint from its ``card.json``."""
+    """Render ``README.md`` (the model card) of a checkpoint from its ``card.json``.
+
+    Leads with the total training (all warm-started runs), then this run's data,
+    commands and settings, the lineage of earlier runs when ``card.json`` lists one
+    (``lineage``: dicts with ``commit``, ``steps``, ``total_steps``, ``data_sequences``,
+    ``data_response_tokens``, ``tau_code``, ``tau_chat``), and the held-out acceptance.
+    Returns the path of the written ``README.md``.
+    """
     ckpt = Path(ckpt)
     c = json.loads((ckpt / "card.json").read_text())
     cfg = json.loads((ckpt / "config.json").read_text())
     acc = c.get("heldout_acceptance_greedy_fp32", {})
     tc = c.get("train_config", {})
+    total = c.get("total_steps") or c.get("steps")
+    total_wall = c.get("total_wall_time_s") or c.get("wall_time_s")
     lines = [
         f"# {c['target']} {c['mode']} drafter", "",
         f"Drafter for target `{c['target']}` ({'DSpine: bridge + final stage, causal block' if cfg['bridge'] else 'DFlash-style: no bridge, no final stage, bidirectional block'}), "
         f"block size {cfg['block_size']}, {cfg['num_layers']} layers, hidden {cfg['target_hidden']}, "
         f"feature layers {cfg['feature_layers']}. Weights bf16 (`model.safetensors`), config in `config.json`.", "",
-        "## Training", "",
+        f"**{total} training steps in all** ({total_wall} s of training); held-out τ "
+        f"{acc.get('tau_code')} (code) / {acc.get('tau_chat')} (chat), see below.", "",
+        "## Training (last run)", "",
         f"- data: {', '.join(map(str, c.get('data', [])))} — {c.get('data_sequences')} sequences, "
         f"{c.get('data_response_tokens')} response tokens (target-regenerated responses plus "
         "teacher-forcing text from training stdlib modules and ShareGPT; held-out sets excluded, see "
         "`src/dspine/data/splits.json`)",
-        *([f"- ran: `{cmd}`" for cmd in c.get("data_commands", [])]),
+        *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands", [])]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
-        f"max length {tc.get('max_len')}, lr {tc.get('lr')}, vocab subset {tc.get('vocab_subset')})",
-        *([f"- warm-started from `{c['init_from']}` ({c.get('parent_steps')} steps); "
-           f"{c.get('total_steps')} steps and {c.get('total_wall_time_s')} s of training in all"]
+        f"max length {tc.get('max_len')}, lr {tc.get('lr')}, warmup {tc.get('warmup')}, vocab subset "
+        f"{tc.get('vocab_subset')}, bf16 autocast {tc.get('autocast_bf16')})",
+        *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
           if c.get("init_from") else []),
-        f"- wall time: {c.get('wall_time_s')} s on {c.get('hardware')} (shared, loaded 2-core machine), "
-        f"world size {c.get('world_size')}",
+        f"- wall time: {c.get('wall_time_s')} s on {c.get('hardware')}, world size {c.get('world_size')}",
+    ]
+    lin = c.get("lineage") or []
+    if lin:
+        lines += ["", "## Lineage (each run warm-started from the one before)", "",
+                  "| commit | steps | total steps | sequences | response tokens | τ code | τ chat |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.get('commit')} | {r.get('steps')} | {r.get('total_steps')} | {r.get('data_sequences')} | "
+                  f"{r.get('data_response_tokens')} | {r.get('tau_code')} | {r.get('tau_chat')} |" for r in lin]
+    lines += [
         "", "## Held-out acceptance (greedy, float32, engine loop)", "",
         f"- code completion (held-out stdlib modules): tau = {acc.get('tau_code')} over {acc.get('n_code')} prompts",
         f"- chat (held-out ShareGPT prompts): tau = {acc.get('tau_chat')} over {acc.get('n_chat')} prompts",
