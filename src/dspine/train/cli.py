@@ -106,10 +106,11 @@ def write_model_card(ckpt: str | Path) -> Path:
     lin = c.get("lineage") or []
     if lin:
         lines += ["", "## Lineage (each run warm-started from the one before)", "",
-                  "| commit | steps | total steps | sequences | response tokens | τ code | τ chat |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| commit | steps | total steps | sequences | response tokens | τ code | τ chat | prompts per set |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r.get('commit')} | {r.get('steps')} | {r.get('total_steps')} | {r.get('data_sequences')} | "
-                  f"{r.get('data_response_tokens')} | {r.get('tau_code')} | {r.get('tau_chat')} |" for r in lin]
+                  f"{r.get('data_response_tokens')} | {r.get('tau_code')} | {r.get('tau_chat')} | "
+                  f"{r.get('n_prompts', '–')} |" for r in lin]
     lines += [
         "", "## Held-out acceptance (greedy, float32, engine loop)", "",
         f"- code completion (held-out stdlib modules): tau = {acc.get('tau_code')} over {acc.get('n_code')} prompts",
