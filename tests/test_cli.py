@@ -289,3 +289,19 @@ def test_interrupted_target_conversion_leaves_no_folder(tmp_path):
     with pytest.raises(Exception):
         convert_gguf(Path(tmp_path / "missing.gguf"), out)
     assert not out.exists() and not (out.parent / f"gguf-x.tmp{os.getpid()}").exists()
+
+
+@pytest.mark.parametrize("cmd, needles", [
+    (["train"], ["--steps STEPS         default: 1000", "(default: 32)", "default: 4"]),
+    (["data", "build"], ["default: 256", "default: bfloat16"]),
+    (["acceptance"], ["default: 96"]),
+    (["serve"], ["(default: 8000)"]),
+])
+def test_help_shows_defaults(capsys, cmd, needles):
+    """Every option's default is in --help (a fresh user had to read the source for them)."""
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for n in needles:
+        assert " ".join(n.split()) in out, n

@@ -155,6 +155,21 @@ def _optional_parsers(sub) -> None:
         getattr(m, fn)(sub)
 
 
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append ``default: X`` to the ``--help`` text of every option (of every subcommand)
+    that has a non-trivial default and does not state it already."""
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for p in dict.fromkeys(a.choices.values()):  # aliases map to the same parser
+                _show_defaults(p)
+            continue
+        if not a.option_strings or a.help == argparse.SUPPRESS or a.default in (None, False, argparse.SUPPRESS):
+            continue
+        if "default" in (a.help or "").lower():
+            continue
+        a.help = f"{a.help} (default: %(default)s)" if a.help else "default: %(default)s"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse parser whose usage errors become one ``dspine: error:`` line (exit 2)."""
 
@@ -181,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     _optional_parsers(sub)
+    _show_defaults(parser)
     prev = None
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # `serve` installs its own while serving
