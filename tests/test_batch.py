@@ -225,3 +225,26 @@ def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_gree
         if i != victim:
             assert r.finish_reason != "error" and r.out_ids == ref_greedy[i].token_ids, i
     assert be.free_slots == 4 and be.cache_bytes() == 0
+
+
+def test_retried_batched_draft_keeps_every_sampled_output(target, prompts, spec, monkeypatch):
+    """A batched drafter call that fails part-way (here the final-stage chain of one
+    request, once) is retried one request at a time from the generators' saved states,
+    so every seeded sampled output still equals its single-request run."""
+    import dspine.draft as draft_mod
+
+    samp = [SamplingConfig(temperature=0.8, seed=7 + i) for i in range(4)]
+    single = [spec.generate(p, s, m).token_ids for p, s, m in zip(prompts[:4], samp, LENS[:4])]
+    real, calls = draft_mod.chain, {"n": 0}
+
+    def chain_failing_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 6:  # inside a batched call, after other requests' chains drew
+            raise RuntimeError("transient failure")
+        return real(*args)
+
+    monkeypatch.setattr(draft_mod, "chain", chain_failing_once)
+    got = BatchEngine(spec, 4).generate_many(prompts[:4], samp, LENS[:4])
+    assert calls["n"] > 6
+    assert [g.finish_reason != "error" for g in got] == [True] * 4
+    assert [g.token_ids for g in got] == single

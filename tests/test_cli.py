@@ -296,6 +296,7 @@ def test_interrupted_target_conversion_leaves_no_folder(tmp_path):
     (["data", "build"], ["default: 256", "default: bfloat16"]),
     (["acceptance"], ["default: 96"]),
     (["serve"], ["(default: 8000)"]),
+    (["generate"], ["0 = greedy (default: 0.0)", "--top-k TOP_K 0 = off (default: 0)"]),  # zero defaults too
 ])
 def test_help_shows_defaults(capsys, cmd, needles):
     """Every option's default is in --help (a fresh user had to read the source for them)."""
@@ -305,3 +306,15 @@ def test_help_shows_defaults(capsys, cmd, needles):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for n in needles:
         assert " ".join(n.split()) in out, n
+
+
+def test_damaged_card_is_named(tmp_path):
+    from dspine.config import ConfigError
+    from dspine.draft import read_card
+
+    for text, needle in (("{bad", "not valid JSON"), ("[1, 2]", "not a JSON object")):
+        (tmp_path / "card.json").write_text(text)
+        with pytest.raises(ConfigError, match=f"card.json is damaged \\({needle}"):
+            read_card(tmp_path)
+    (tmp_path / "card.json").unlink()
+    assert read_card(tmp_path) == {}

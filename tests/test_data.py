@@ -378,3 +378,21 @@ def test_failed_build_leaves_no_lock_file_behind(tiny, tmp_path):
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())  # kept, still empty
     man = B.build_dataset(tiny, [src], tmp_path / "mine", max_new_tokens=3, progress=False)
     assert man["complete"] and (tmp_path / "mine" / ".lock").exists()  # a used folder keeps its lock file
+
+
+def test_refused_build_leaves_existing_and_parent_folders_as_found(tiny, tmp_path):
+    src = str(_prompts(tmp_path / "a.jsonl", 2))
+    shonly = tmp_path / "shonly"  # data shards but no manifest: refused
+    shonly.mkdir()
+    (shonly / "data-00000.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no manifest.json"):
+        B.build_dataset(tiny, [src], shonly, max_new_tokens=3, progress=False)
+    assert sorted(q.name for q in shonly.iterdir()) == ["data-00000.jsonl"]  # no .lock added
+    with pytest.raises(ValueError, match="--shard must be k/N"):
+        B.build_dataset(tiny, [src], tmp_path / "n1" / "n2" / "n3", max_new_tokens=3, shard=(3, 2),
+                        progress=False)
+    assert not (tmp_path / "n1").exists()  # every folder this run created is gone
+    for kw, name in (({"max_new_tokens": 0}, "--max-new-tokens 0"), ({"batch_size": 0}, "--batch-size 0")):
+        with pytest.raises(ValueError, match=name):
+            B.build_dataset(tiny, [src], tmp_path / "z", progress=False, **{"max_new_tokens": 3, **kw})
+    assert not (tmp_path / "z").exists()

@@ -451,11 +451,14 @@ class BatchEngine:
         prop = self.engine.proposer
         if self.batch_draft and len(idx) > 1 and isinstance(prop, DrafterProposer) \
                 and all(reqs[i].draft_state.pos is not None for i in idx):
+            gens = [reqs[i].gen.get_state() for i in idx]  # a retry must redraw the same uniforms
             try:
                 got = propose_batch(prop, [reqs[i] for i in idx], [self.kv.lengths[i] for i in idx],
                                     [ns[i] for i in idx])
             except Exception:  # noqa: BLE001 (retried one by one below: only a culprit fails)
                 got = None
+                for i, g in zip(idx, gens):
+                    reqs[i].gen.set_state(g)
             if got is not None:
                 out = [empty() for _ in reqs]
                 for i, p in zip(idx, got):

@@ -123,11 +123,11 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
     p.add_argument("--chat", action="store_true", help="apply the target's chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the request's sampler (0 .. 2**63-1)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
@@ -163,7 +163,8 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
             for p in dict.fromkeys(a.choices.values()):  # aliases map to the same parser
                 _show_defaults(p)
             continue
-        if not a.option_strings or a.help == argparse.SUPPRESS or a.default in (None, False, argparse.SUPPRESS):
+        if not a.option_strings or a.help == argparse.SUPPRESS or a.default is None or a.default is False \
+                or a.default == argparse.SUPPRESS:
             continue
         if "default" in (a.help or "").lower():
             continue

@@ -288,9 +288,23 @@ def random_drafter(target, mode: str = "dspine", block_size: int = 16, seed: int
 
 
 def read_card(path: str | Path) -> dict:
-    """The checkpoint's ``card.json`` metadata, or {} when absent."""
+    """The checkpoint's ``card.json`` metadata, or {} when absent.
+
+    Raises:
+        ConfigError: the file is not valid JSON or not a JSON object (names the file).
+    """
     f = Path(path) / "card.json"
-    return json.loads(f.read_text()) if f.exists() else {}
+    if not f.exists():
+        return {}
+    try:
+        card = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{f} is damaged (not valid JSON: {e}); restore it or delete it "
+                          f"(the card is metadata only)") from None
+    if not isinstance(card, dict):
+        raise ConfigError(f"{f} is damaged (not a JSON object); restore it or delete it "
+                          f"(the card is metadata only)")
+    return card
 
 
 @torch.no_grad()

@@ -189,7 +189,8 @@ class EngineRunner(Runner):
         if getattr(self, "drafter_sha256", None):
             d["drafter_sha256"] = self.drafter_sha256  # first 16 hex digits of model.safetensors
         if self.card:
-            d["drafter_steps"] = self.card.get("total_steps") or self.card.get("steps")
+            steps = self.card.get("total_steps")
+            d["drafter_steps"] = steps if steps is not None else self.card.get("steps")
         if self.mode != "ar":
             c = self.drafter_cfg
             d.update(drafter_dtype=str(next(self.engine.proposer.drafter.parameters()).dtype).replace("torch.", ""),

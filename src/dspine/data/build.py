@@ -212,6 +212,10 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         torch.set_num_threads(int(threads))
     if not sources:
         raise ValueError("--prompts: give at least one source (sharegpt, stdlib or a .jsonl path)")
+    for name, v in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
+                    ("--max-prompt-tokens", max_prompt_tokens)):
+        if int(v) < 1:
+            raise ValueError(f"{name} {v}: must be at least 1")
     stems: dict[str, str] = {}
     for s in sources:  # fail early: unknown/eval-only source; missing, empty or malformed JSONL
         if s not in ("sharegpt", "stdlib"):
@@ -232,9 +236,14 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     tgt: Target = target if isinstance(target, Target) else load_target(target, dtype=dtype)
     fp = tokenizer_fingerprint(tgt.tokenizer)
     out = Path(out_dir)
-    created = not out.exists()
+    top = out  # the outermost folder this run creates (None: --out exists)
+    while not top.parent.exists():
+        top = top.parent
+    top = None if out.exists() else top
+    had_lock = (out / ".lock").exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock_dir(out)  # released in the finally below
+    checked = False  # True once every refusal check passed (from then on the run writes)
     try:
         man = read_manifest(out)
         if man is not None and not _same_target(man, tgt, fp):
@@ -265,6 +274,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                     "pad_token_id": int(pad_id)}
         if man is not None and man.get("counts", {}).get("prompts", 0) > 0:
             _check_resume_settings(out, man, settings)
+        checked = True
         done, counts = _repair_and_scan(out)
         counts["skipped_too_long"] = 0
         man = man or {"format": FORMAT, "created": _now(), "runs": []}
@@ -357,11 +367,25 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         return man
     finally:
         if lock is not None:
-            if [q.name for q in out.iterdir()] == [".lock"]:
-                (out / ".lock").unlink()  # nothing written: leave no folder that looks used
-                if created:
-                    out.rmdir()
+            if not checked:  # refused before writing: leave --out as it was found
+                _undo_refused(out, top, had_lock)
             lock.close()
+
+
+def _undo_refused(out: Path, top: Path | None, had_lock: bool) -> None:
+    """After a refused build: remove the ``.lock`` it added and the folders it created."""
+    if not had_lock:
+        (out / ".lock").unlink(missing_ok=True)
+    if top is None:
+        return
+    d = out
+    while True:  # created folders, innermost first, while empty
+        if any(d.iterdir()):
+            return
+        d.rmdir()
+        if d == top:
+            return
+        d = d.parent
 
 
 # -- reading ------------------------------------------------------------------------------
