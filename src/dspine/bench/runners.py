@@ -173,11 +173,9 @@ class EngineRunner(Runner):
             self.drafter_path, self.card = str(drafter), read_card(drafter)
             w = Path(drafter) / "model.safetensors"
             if w.is_file():  # which weights ran, beyond the path (a path's content changes with commits)
-                h = hashlib.sha256()
-                with open(w, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 22), b""):
-                        h.update(chunk)
-                self.drafter_sha256 = h.hexdigest()[:16]
+                from ..assets import sha256_file
+
+                self.drafter_sha256 = sha256_file(w)[:16]
         self.block_size = model.cfg.block_size
         self.drafter_cfg = model.cfg
         with torch.no_grad():
