@@ -424,6 +424,36 @@ def test_diverging_training_stops_with_an_error_naming_lr(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_cosine_schedule_floor_and_min_lr_ratio_setting(tmp_path, capsys):
+    """Warmup rises linearly to --lr; the cosine ends at --min-lr-ratio x --lr (0: at zero);
+    a ratio outside [0, 1] is refused by the config and the command line."""
+    from dspine.train.losses import cosine_lr
+
+    assert cosine_lr(0, 100, 10, 1e-3) == pytest.approx(1e-4)  # warmup step 1 of 10
+    assert cosine_lr(9, 100, 10, 1e-3) == pytest.approx(1e-3)
+    assert cosine_lr(10, 100, 10, 1e-3) == pytest.approx(1e-3)  # cosine starts at the peak
+    assert cosine_lr(55, 100, 10, 1e-3, floor=0.0) == pytest.approx(0.5e-3)  # half way
+    assert cosine_lr(100, 100, 10, 1e-3) == pytest.approx(1e-4)  # default floor 0.1
+    assert cosine_lr(100, 100, 10, 1e-3, floor=0.0) == pytest.approx(0.0, abs=1e-15)
+    assert TrainConfig(min_lr_ratio=0.0).min_lr_ratio == 0.0
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="--min-lr-ratio"):
+            TrainConfig(min_lr_ratio=bad)
+    from dspine.cli import main
+    for bad in ("-0.1", "2", "nan", "x"):
+        capsys.readouterr()
+        assert main(["train", "--data", "x", "--out", str(tmp_path / "o"), "--min-lr-ratio", bad]) == 2
+        assert "--min-lr-ratio" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    # the trainer uses the floor: the last step of a 0-floor run has lr ~0
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(n=4), tmp_path / "run",
+                 TrainConfig(steps=4, batch_size=2, anchors_per_seq=2, max_len=48, save_every=4, warmup=0,
+                             lr=1e-3, min_lr_ratio=0.0))
+    tr.run()
+    assert tr.opt.param_groups[0]["lr"] < 1e-3 * 0.2
+
+
 def test_training_data_with_ids_outside_the_vocabulary_is_refused(tmp_path):
     import json as _json
 

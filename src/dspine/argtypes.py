@@ -67,3 +67,14 @@ def positive_float(text: str) -> float:
     if not (v > 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return v
+
+
+def unit_float(text: str) -> float:
+    """A number in [0, 1] (ratios, fractions)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return v

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import nonneg_int, positive_float, positive_int, seed_int
+from ..argtypes import nonneg_int, positive_float, positive_int, seed_int, unit_float
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
@@ -97,7 +97,7 @@ def write_model_card(ckpt: str | Path) -> Path:
         "`src/dspine/data/splits.json`)",
         *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands", [])]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
-        f"max length {tc.get('max_len')}, lr {tc.get('lr')}, warmup {tc.get('warmup')}, vocab subset "
+        f"max length {tc.get('max_len')}, lr {tc.get('lr')} (cosine to {tc.get('min_lr_ratio', 0.1)}x), warmup {tc.get('warmup')}, vocab subset "
         f"{tc.get('vocab_subset')}, bf16 autocast {tc.get('autocast_bf16')})",
         *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
           if c.get("init_from") else []),
@@ -165,7 +165,7 @@ def cmd_train(args) -> int:
     seqs = _training_seqs(args.data, target, args.max_len)
     cfg = _drafter_config(args, target)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
-                     max_len=args.max_len, lr=args.lr, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
+                     max_len=args.max_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
                      eval_every=args.eval_every, eval_prompts=args.eval_prompts, vocab_subset=args.vocab_subset,
                      feature_dtype=args.feature_dtype,
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
@@ -317,6 +317,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-len", type=positive_int, default=384)
     p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--min-lr-ratio", type=unit_float, default=0.1,
+                   help="the cosine schedule ends at this fraction of --lr (0 = decay to zero)")
     p.add_argument("--warmup", type=nonneg_int, default=50)
     p.add_argument("--vocab-subset", type=nonneg_int, default=8192, help="CE over the N most frequent tokens (0 = all)")
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -46,6 +46,7 @@ class TrainConfig:
     anchors_per_seq: int = 32
     max_len: int = 384
     lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio * lr (0 = to zero)
     weight_decay: float = 0.01
     warmup: int = 50
     grad_clip: float = 1.0
@@ -68,6 +69,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{f} must be positive, got {getattr(self, f)}")
         if not (self.lr >= 0 and math.isfinite(self.lr)):  # 0 is allowed here (frozen-weights checks)
             raise ValueError(f"TrainConfig.lr (--lr) must be a finite number >= 0, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"TrainConfig.min_lr_ratio (--min-lr-ratio) must be in [0, 1], got {self.min_lr_ratio}")
         for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts"):
             if getattr(self, f) < 0:
                 raise ValueError(f"TrainConfig.{f} must be >= 0, got {getattr(self, f)}")
@@ -205,7 +208,7 @@ class Trainer:
     _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
                   "memo_features", "device"}
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
-              "lr": "--lr", "warmup": "--warmup", "vocab_subset": "--vocab-subset", "seed": "--seed",
+              "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup", "vocab_subset": "--vocab-subset", "seed": "--seed",
               "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast"}
 
     def resume(self) -> bool:
@@ -348,7 +351,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         tc = self.tc
-        lr = cosine_lr(self.step, tc.steps, tc.warmup, tc.lr)
+        lr = cosine_lr(self.step, tc.steps, tc.warmup, tc.lr, floor=tc.min_lr_ratio)
         for g in self.opt.param_groups:
             g["lr"] = lr
         seqs, idx = self.batch_for_step(self.step)

@@ -165,7 +165,8 @@ def final_stage_loss(drafter: DSpineDrafter, out, z: torch.Tensor, tgt: torch.Te
 
 
 def cosine_lr(step: int, total: int, warmup: int, base: float, floor: float = 0.1) -> float:
-    """Linear warmup then cosine decay to ``floor * base``."""
+    """Learning rate at ``step``: linear warmup over ``warmup`` steps to ``base``, then cosine
+    decay to ``floor * base`` at ``total`` (``--min-lr-ratio``; 0 decays to zero)."""
     if step < warmup:
         return base * (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(1, total - warmup))
