@@ -390,6 +390,8 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert card["steps"] == 2 and card["train_config"]["device"] == "cpu"
     assert card["heldout_acceptance_greedy_fp32"]["n_code"] == 1
     assert card["train_config"]["eval_prompts"] == 1  # the card records the --eval-prompts used
+    assert card["data_summary"] == "teacher-forcing text"  # only `data text` output: no regenerated claim
+    assert "(teacher-forcing text; held-out sets excluded" in (run / "final" / "README.md").read_text()
     assert load_drafter(run / "final", load_target("random:llama")).cfg.block_size == 4
     capsys.readouterr()
     assert main(base + ["--steps", "3"]) == 2

@@ -60,6 +60,26 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     return res
 
 
+_OLD_DATA_SUMMARY = ("target-regenerated responses plus teacher-forcing text from training stdlib modules "
+                     "and ShareGPT")  # cards written before data_summary existed
+
+
+def _data_summary(data_dirs) -> str:
+    """What kinds of sequences a --data list holds, for the model card: target-regenerated
+    responses (`dspine data build`) and/or teacher-forcing text (`dspine data text`)."""
+    from ..data.build import read_manifest
+
+    kinds = set()
+    for d in data_dirs:
+        try:
+            kinds.add("text" if (read_manifest(Path(d)) or {}).get("kind") == "text" else "build")
+        except Exception:  # noqa: BLE001 (the card is informational; loading already checked the data)
+            kinds.add("?")
+    parts = (["target-regenerated responses"] if "build" in kinds else []) + \
+            (["teacher-forcing text"] if "text" in kinds else [])
+    return " plus ".join(parts) if parts and "?" not in kinds else "data of unknown kind"
+
+
 def _card_command(cmd) -> str:
     """A card's command entry: ``"cmd"`` or ``{"cmd": ..., "note": ...}`` (note kept out of the code span)."""
     if isinstance(cmd, dict):
@@ -92,9 +112,8 @@ def write_model_card(ckpt: str | Path) -> Path:
         f"{acc.get('tau_code')} (code) / {acc.get('tau_chat')} (chat), see below.", "",
         "## Training (last run)", "",
         f"- data: {', '.join(map(str, c.get('data', [])))} — {c.get('data_sequences')} sequences, "
-        f"{c.get('data_response_tokens')} response tokens (target-regenerated responses plus "
-        "teacher-forcing text from training stdlib modules and ShareGPT; held-out sets excluded, see "
-        "`src/dspine/data/splits.json`)",
+        f"{c.get('data_response_tokens')} response tokens ({c.get('data_summary', _OLD_DATA_SUMMARY)}; "
+        "held-out sets excluded, see `src/dspine/data/splits.json`)",
         *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands", [])]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
         f"max length {tc.get('max_len')}, lr {tc.get('lr')} (cosine to {tc.get('min_lr_ratio', 0.1)}x), warmup {tc.get('warmup')}, vocab subset "
@@ -198,6 +217,7 @@ def cmd_train(args) -> int:
         tr.model.to(torch.float32).bind_target(target.input_embeddings(), target.output_head())
         acc = measure_acceptance(target, tr.model, n=args.eval_prompts, max_new_tokens=64) if args.eval_prompts else {}
         card = {"target": args.target, "mode": cfg.mode, "data": [str(d) for d in args.data],
+                "data_summary": _data_summary(args.data),
                 "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
                 "steps": tr.step, "train_config": json.loads(json.dumps(tc.__dict__)),
                 "wall_time_s": round(tr.wall, 1), "world_size": world,
