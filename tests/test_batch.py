@@ -216,7 +216,15 @@ def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_gree
     victim = max(range(4), key=lambda i: LENS[i])
     bad["gen"] = reqs[victim].gen
     while be.running:
+        ran = [r for r in be.running if r is not reqs[victim]]
+        ncyc = {id(r): len(r.cycles) for r in ran}
         be.step()
+        if not batched and reqs[victim].finish_reason == "error" and "checked" not in bad:
+            bad["checked"] = True  # the failing step's summary counts only the cycles that ran
+            new = [r.cycles[-1] for r in ran if len(r.cycles) > ncyc[id(r)]]
+            assert be.last_cycle.draft_s == sum(c.draft_s for c in new)
+            assert be.last_cycle.verify_s == sum(c.verify_s for c in new)
+    assert batched or "checked" in bad
     assert bad["calls"] == (4 if batched and where != "verification" else 3)  # batched: failed, retried alone
     v = reqs[victim]
     assert v.finish_reason == "error" and f"injected {where} failure" in v.error

@@ -346,13 +346,14 @@ class BatchEngine:
             return {}
         t0 = time.perf_counter()
         if not self.batched:
-            out = {}
+            out, ok = {}, []
             for r in list(self.running):
                 try:
                     out[id(r)] = self.engine.step(r)
+                    ok.append(r)
                 except Exception as e:  # noqa: BLE001 (this request only; see _fail)
                     out[id(r)] = self._fail(r, e)
-            c = [r.cycles[-1] for r in self.running if r.cycles]
+            c = [r.cycles[-1] for r in ok if r.cycles]  # a failed request ran no cycle this step
             self.last_cycle = BatchCycle(len(self.running), sum(x.draft_s for x in c),
                                          sum(x.final_s for x in c), sum(x.verify_s for x in c),
                                          time.perf_counter() - t0, sum(len(v) for v in out.values()))
