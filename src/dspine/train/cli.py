@@ -80,6 +80,11 @@ def _data_summary(data_dirs) -> str:
     return " plus ".join(parts) if parts and "?" not in kinds else "data of unknown kind"
 
 
+def _schedule(ratio: float) -> str:
+    """The learning-rate schedule's end for the model card (--min-lr-ratio)."""
+    return "(cosine down to 0)" if ratio == 0 else f"(cosine down to {ratio:g} x lr)"
+
+
 def _card_command(cmd) -> str:
     """A card's command entry: ``"cmd"`` or ``{"cmd": ..., "note": ...}`` (note kept out of the code span)."""
     if isinstance(cmd, dict):
@@ -116,7 +121,7 @@ def write_model_card(ckpt: str | Path) -> Path:
         "held-out sets excluded, see `src/dspine/data/splits.json`)",
         *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands", [])]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
-        f"max length {tc.get('max_len')}, lr {tc.get('lr')} (cosine to {tc.get('min_lr_ratio', 0.1)}x), warmup {tc.get('warmup')}, vocab subset "
+        f"max length {tc.get('max_len')}, lr {tc.get('lr')} {_schedule(tc.get('min_lr_ratio', 0.1))}, warmup {tc.get('warmup')}, vocab subset "
         f"{tc.get('vocab_subset')}, bf16 autocast {tc.get('autocast_bf16')})",
         *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
           if c.get("init_from") else []),
