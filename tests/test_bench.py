@@ -376,6 +376,11 @@ def test_verify_policy_reaches_the_drafter_modes(tmp_path, one_thread):
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
     pol = {r["mode"]: r["mode_info"]["verify_policy"] for r in rows}
     assert pol == {"ar": "fixed", "dspine": "cost"}
+    curve = next(r["mode_info"]["policy_cycle_ms"] for r in rows if r["mode"] == "dspine")
+    assert len(curve) == 16 and all(c > 0 for c in curve)  # n = 0..15 proposals
+    assert curve[0] <= curve[1] and curve[1:] == sorted(curve[1:])  # monotone fits; n = 0 drafts nothing
+    assert "ar" not in {r["mode"] for r in rows if "policy_cycle_ms" in r["mode_info"]}
+    assert "cost-policy cycle ms at n=0/1/2/4/8/15: " in (out / "report.md").read_text()
     ar_ids = [r["output_ids"] for r in rows if r["mode"] == "ar" and not r["warmup"]]
     sp_ids = [r["output_ids"] for r in rows if r["mode"] == "dspine" and not r["warmup"]]
     assert ar_ids == sp_ids  # still lossless with the dynamic verification length

@@ -271,6 +271,11 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         info = info or {}
         det = ", ".join(f"{k}={info[k]}" for k in ("bridge", "final_stage", "block_causal", "prompt_lookup_num_tokens",
                                                   "max_matching_ngram_size", "drafter_dtype") if k in info)
+        pc = info.get("policy_cycle_ms")
+        if pc:  # what the cost policy believed a cycle costs when verifying n proposals
+            det += (", " if det else "") + "cost-policy cycle ms at n=" + "/".join(
+                str(n) for n in (0, 1, 2, 4, 8, len(pc) - 1) if n < len(pc)) + ": " + "/".join(
+                f"{pc[n]:.0f}" for n in (0, 1, 2, 4, 8, len(pc) - 1) if n < len(pc))
         who = info.get("drafter") or "–"
         extra = ", ".join(x for x in (f"{info['drafter_steps']} training steps" if info.get("drafter_steps") else "",
                                       f"sha256 {info['drafter_sha256']}" if info.get("drafter_sha256") else "") if x)

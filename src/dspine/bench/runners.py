@@ -194,6 +194,9 @@ class EngineRunner(Runner):
             d.update(drafter_dtype=str(next(self.engine.proposer.drafter.parameters()).dtype).replace("torch.", ""),
                      bridge=c.bridge, final_stage=c.final_stage, block_causal=c.block_causal,
                      drafter_target=c.target_name, card=self.card)
+            cost = getattr(self.engine.verify_policy, "cost", None)
+            if cost is not None:  # the --verify-policy cost input: measured cycle cost by n, ms
+                d["policy_cycle_ms"] = [round(1000 * cost.cycle_s(n), 2) for n in range(cost.n_max + 1)]
         return d
 
     @torch.no_grad()
