@@ -223,7 +223,8 @@ def test_cost_policy_learns_acceptance_from_past_cycles(tiny256):
     try:
         cont = E(tiny256, None, "ar").generate(prompt, SamplingConfig(), 60).token_ids
         prop = ScriptedProposer(cont, len(prompt), block_size=8, good=3, vocab=256)
-        pol = CostModelPolicy(CostCurve([1.0 + 0.1 * n for n in range(8)], draft_s=0.5), explore_every=0)
+        pol = CostModelPolicy(CostCurve([1.0 + 0.1 * n for n in range(8)], draft_s=0.5), explore_every=0,
+                              observe_costs=False)  # the synthetic curve, not this machine's times
         eng = Engine(tiny256, prop, "dspine", verify_policy=pol)
         res = eng.generate(prompt, SamplingConfig(), 60)
     finally:
@@ -271,6 +272,60 @@ def test_cheap_short_proposals_make_short_verification_pay():
     assert 1 <= n <= 4
     e = scaled.expected_tokens(conf)
     assert e[n] / scaled.cost.cycle_s(n) > 1.0 / verify[0]  # faster than the plain step
+
+
+class _TimedCycle(_Cycle):
+    def __init__(self, n, emitted, seconds):
+        super().__init__(n, emitted)
+        self.draft_s, self.final_s, self.verify_s = 0.25 * seconds, 0.25 * seconds, 0.5 * seconds
+
+
+def test_observed_cycle_times_correct_a_wrong_cost_curve():
+    """The measured curve says verifying is nearly free (C(n>=1) = 1.1 C(0)); the real
+    cycles say a verifying cycle costs 3x a plain step (and emits 2 tokens). With observed times the policy
+    moves to plain steps; with ``observe_costs=False`` (negative control) it keeps
+    verifying, the losing choice. A plain step is probed when none was observed."""
+    curve = CostCurve([1.0] + [1.05] * 15, draft_s=0.05)  # wrong: too cheap for n >= 1
+    conf_accept = 2  # every verifying cycle: 1 of n proposals accepted (emitted 2)
+
+    def run(observe):
+        pol = CostModelPolicy(curve, prior_accept=0.4, explore_every=16, observe_costs=observe)
+        req = _Req()
+        for _ in range(48):
+            n = pol(req, 15)
+            emitted = 1 if n == 0 else conf_accept
+            req.cycles.append(_TimedCycle(n, emitted, 1.0 if n == 0 else 3.0))
+        return pol, [pol(req, 15) for _ in range(1)] + pol.decisions[-16:]
+
+    pol, late = run(True)
+    assert 0 in pol.decisions[:16]  # the probe of a plain step (only verifying cycles seen until then)
+    assert sum(n == 0 for n in late) >= 14, late  # learned: a plain step is faster here
+    assert pol.cycle_cost(0) == pytest.approx(1.0, rel=0.05) and pol.cycle_cost(3) > 2.5
+    ctrl, late_c = run(False)
+    assert all(n > 0 for n in late_c), late_c  # the measured curve alone keeps verifying
+    assert ctrl.cycle_cost(3) == curve.cycle_s(3)
+
+
+def test_unobserved_lengths_scale_with_the_observed_ratio():
+    """An observed n costs its decayed observed mean; an n never observed is the measured
+    curve times the observed/measured ratio at the nearest observed n."""
+    curve = CostCurve([1.0, 2.0, 3.0, 4.0], draft_s=0.0)
+    pol = CostModelPolicy(curve, cost_half_life=float("inf"))
+    assert pol.cycle_cost(2) == 3.0  # nothing observed: the curve
+    pol.observe(1, 4.0)
+    pol.observe(1, 6.0)  # mean 5.0 at n = 1: 2.5x the curve
+    pol.observe(3, 4.0)  # 1x the curve at n = 3
+    assert pol.cycle_cost(1) == pytest.approx(5.0) and pol.cycle_cost(3) == pytest.approx(4.0)
+    assert pol.cycle_cost(0) == pytest.approx(2.5)  # nearest observed: n = 1
+    assert pol.cycle_cost(2) == pytest.approx(3.0 * 2.5)  # tie between 1 and 3: the lower n
+    pol.observe(9, 1.0)  # out of range and bad values are ignored
+    pol.observe(0, float("nan"))
+    assert pol.obs_w == [0.0, 2.0, 0.0, 1.0]
+    decayed = CostModelPolicy(curve, cost_half_life=1.0)
+    decayed.observe(0, 5.0)
+    decayed.observe(1, 2.0)
+    decayed.observe(1, 2.0)  # n = 0's weight fell to 0.25: estimated from n = 1 again
+    assert decayed.obs_w[0] == pytest.approx(0.25) and decayed.cycle_cost(0) == pytest.approx(1.0)
 
 
 # -- greedy equality ------------------------------------------------------------------------

@@ -25,7 +25,13 @@ Policies:
     cached per target/drafter/device/dtype): the target forward over n+1 tokens plus,
     for n >= 1, the cost of proposing n tokens (a block-causal drafter runs n+1 rows
     and n serial final-stage steps, so a short verification also drafts cheaply). n = 0
-    is a plain autoregressive step (no drafting).
+    is a plain autoregressive step (no drafting). The one-shot measurement (a 64-token
+    context, whatever else the machine was doing then) is corrected online: every
+    completed cycle's measured time (draft + final stage + verification) updates a
+    decayed mean per n, which replaces the curve's value once observed; an n not
+    observed is the curve scaled by the observed/measured ratio at the nearest observed
+    n, and a plain step (n = 0) is probed now and then so the comparison with ``ar``
+    stays real.
 
 A policy that *truncates the block after looking at which token was sampled* (e.g.
 dropping the first proposal equal to some token) is anticipating: the verified
@@ -264,14 +270,19 @@ class CostModelPolicy(VerifyPolicy):
             the prior of a request (so a request's own behaviour takes over quickly).
         explore_every: every this many cycles of a request, verify ``n_max`` whatever
             the estimate says, so positions a short n never reaches keep being measured
-            (0: never). The choice depends on the cycle count only: non-anticipating.
+            (0: never); half-way between, a plain step (n = 0) when its observed cost has
+            decayed away. The choice depends on the cycle count and on completed cycles
+            only: non-anticipating.
+        observe_costs: correct the measured cost curve with the measured times of
+            completed cycles (see the module docstring); False keeps the curve as measured.
+        cost_half_life: decay, in observed cycles, of those measured times.
     """
 
     name = "cost"
 
     def __init__(self, cost: CostCurve, prior_accept: float = 0.6, prior_weight: float = 2.0,
                  half_life: float = 64.0, global_half_life: float = 1024.0, global_weight_cap: float = 16.0,
-                 explore_every: int = 16):
+                 explore_every: int = 16, observe_costs: bool = True, cost_half_life: float = 64.0):
         if not 0.0 <= prior_accept <= 1.0:
             raise ValueError(f"prior_accept must be in [0, 1], got {prior_accept}")
         if explore_every < 0:
@@ -282,6 +293,36 @@ class CostModelPolicy(VerifyPolicy):
         self.explore_every = explore_every
         self.pooled = AcceptanceStats(global_half_life)
         self.decisions: list[int] = []
+        self.observe_costs = observe_costs
+        self.cost_decay = 0.5 ** (1.0 / cost_half_life) if cost_half_life and math.isfinite(cost_half_life) else 1.0
+        self.obs_sum = [0.0] * (cost.n_max + 1)  # decayed sum of measured cycle times (s) per n
+        self.obs_w = [0.0] * (cost.n_max + 1)  # decayed count per n
+
+    # cycle cost ----------------------------------------------------------------------------
+    def observe(self, n: int, seconds: float) -> None:
+        """Add the measured time of a completed cycle that verified ``n`` proposals."""
+        if not (0 <= n <= self.cost.n_max and seconds > 0 and math.isfinite(seconds)):
+            return
+        d = self.cost_decay
+        self.obs_sum = [x * d for x in self.obs_sum]
+        self.obs_w = [w * d for w in self.obs_w]
+        self.obs_sum[n] += seconds
+        self.obs_w[n] += 1.0
+
+    def cycle_cost(self, n: int) -> float:
+        """Estimated cost (s) of a cycle verifying n proposals: the decayed mean of the
+        observed times at n; for an n not observed (yet, or decayed below half a cycle),
+        the measured curve times the observed/measured ratio at the nearest observed n."""
+        n = min(n, self.cost.n_max)
+        if not self.observe_costs:
+            return self.cost.cycle_s(n)
+        if self.obs_w[n] >= 0.5:
+            return self.obs_sum[n] / self.obs_w[n]
+        seen = [k for k, w in enumerate(self.obs_w) if w >= 0.5] or [k for k, w in enumerate(self.obs_w) if w > 0]
+        if not seen:
+            return self.cost.cycle_s(n)
+        k = min(seen, key=lambda k: (abs(k - n), k))
+        return self.cost.cycle_s(n) * (self.obs_sum[k] / self.obs_w[k]) / self.cost.cycle_s(k)
 
     # statistics ----------------------------------------------------------------------------
     def _state(self, req) -> _RequestState:
@@ -293,6 +334,9 @@ class CostModelPolicy(VerifyPolicy):
             a = max(0, int(c.emitted) - 1)
             st.stats.update(int(c.n), a)
             self.pooled.update(int(c.n), a)
+            t = [getattr(c, f, None) for f in ("draft_s", "final_s", "verify_s")]
+            if self.observe_costs and None not in t:
+                self.observe(int(c.n), float(sum(t)))
         st.seen = len(req.cycles)
         return st
 
@@ -322,7 +366,7 @@ class CostModelPolicy(VerifyPolicy):
         e = self.expected_tokens(conf[:n_max])
         best, best_rate = 0, -1.0
         for n in range(n_max + 1):
-            c = self.cost.cycle_s(n)
+            c = self.cycle_cost(n)
             rate = e[n] / c if c > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = n, rate
@@ -330,8 +374,11 @@ class CostModelPolicy(VerifyPolicy):
 
     def __call__(self, req, n_max: int) -> int:
         st = self._state(req)
-        if self.explore_every and st.seen % self.explore_every == self.explore_every - 1:
+        e = self.explore_every
+        if e and st.seen % e == e - 1:
             n = n_max
+        elif e and st.seen % e == e // 2 - 1 and any(self.obs_w) and self.obs_w[0] < 0.5:
+            n = 0  # probe a plain step: its observed cost decayed away (or was never seen)
         else:
             n = self.choose(self.confidence(st.stats, n_max), n_max)
         self.decisions.append(n)
