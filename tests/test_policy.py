@@ -328,6 +328,24 @@ def test_unobserved_lengths_scale_with_the_observed_ratio():
     assert decayed.obs_w[0] == pytest.approx(0.25) and decayed.cycle_cost(0) == pytest.approx(1.0)
 
 
+def test_cost_correction_edge_cases():
+    """A zero-cost curve point, a batched cycle (its forward is shared by the batch, not
+    this request's cost) and a bad half-life do not break the policy."""
+    pol = CostModelPolicy(CostCurve([0.0, 1.0, 2.0, 3.0]))
+    pol.observe(0, 0.5)
+    assert 0 <= pol(_Req(), 3) <= 3 and pol.cycle_cost(3) == 3.0  # no division by the 0 point
+    req = _Req()
+    c = _TimedCycle(2, 2, 1.0)
+    c.batched = True
+    req.cycles.append(c)
+    pol2 = CostModelPolicy(CostCurve([1.0, 1.5, 2.0, 2.5]))
+    pol2(req, 3)
+    assert pol2.obs_w == [0.0] * 4 and pol2.pooled.cycles == 1  # acceptance counted, cost not
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="cost_half_life"):
+            CostModelPolicy(CostCurve([1.0, 2.0]), cost_half_life=bad)
+
+
 # -- greedy equality ------------------------------------------------------------------------
 def test_greedy_with_cost_policy_equals_ar(tiny256):
     prompt = [72, 101, 108, 108, 111, 44, 32, 119]

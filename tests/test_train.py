@@ -93,6 +93,15 @@ def test_resume_refuses_other_settings_and_data(tmp_path):
         Trainer(tg, _cfg(tg), _seqs()[:-1], tmp_path, _tc(steps=4)).resume()
     ok = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=9, save_every=3))
     assert ok.resume() and ok.step == 1
+    with pytest.raises(ValueError, match="trained with --min-lr-ratio 0.1"):
+        Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4, min_lr_ratio=0.0)).resume()
+    # a checkpoint written before --min-lr-ratio existed trained with the old floor, 0.1
+    st = torch.load(tmp_path / "ckpt" / "trainer.pt", weights_only=False)
+    del st["train_config"]["min_lr_ratio"]
+    torch.save(st, tmp_path / "ckpt" / "trainer.pt")
+    with pytest.raises(ValueError, match="trained with --min-lr-ratio 0.1"):
+        Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4, min_lr_ratio=0.0)).resume()
+    assert Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4)).resume()
 
 
 def test_resume_survives_an_interrupted_save(tmp_path):
@@ -392,6 +401,18 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert card["train_config"]["eval_prompts"] == 1  # the card records the --eval-prompts used
     assert card["data_summary"] == "teacher-forcing text"  # only `data text` output: no regenerated claim
     assert "(teacher-forcing text; held-out sets excluded" in (run / "final" / "README.md").read_text()
+    from dspine.train.cli import write_model_card
+    good = (run / "final" / "card.json").read_text()
+    nulls = {**card, "train_config": None, "heldout_acceptance_greedy_fp32": None, "data": None,
+             "data_commands": None, "lineage": None}
+    (run / "final" / "card.json").write_text(json.dumps(nulls))
+    assert "lr None" in write_model_card(run / "final").read_text()  # optional fields left out, no crash
+    (run / "final" / "card.json").write_text(json.dumps({**card, "train_config": {"min_lr_ratio": "0"}}))
+    assert "cosine down" not in write_model_card(run / "final").read_text()  # not a number: not stated
+    (run / "final" / "card.json").write_text(json.dumps({k: v for k, v in card.items() if k != "target"}))
+    with pytest.raises(ValueError, match="card.json lacks target"):
+        write_model_card(run / "final")
+    (run / "final" / "card.json").write_text(good)
     assert load_drafter(run / "final", load_target("random:llama")).cfg.block_size == 4
     capsys.readouterr()
     assert main(base + ["--steps", "3"]) == 2

@@ -436,7 +436,7 @@ class BatchEngine:
             new = [int(t) for t in p.tokens[:a]] + [verdict.token]
             # per-request record: its own draft/final, the shared forward + its verify
             req.cycles.append(CycleRecord(n, a + 1, p.draft_s + commit_s, p.final_s,
-                                          verify_s + (tv - tc), time.perf_counter() - t0))
+                                          verify_s + (tv - tc), time.perf_counter() - t0, batched=True))
             draft_s += commit_s
             out[id(req)] = eng._emit(req, new)
             emitted += len(out[id(req)])

@@ -43,6 +43,7 @@ class CycleRecord:
     final_s: float
     verify_s: float
     total_s: float
+    batched: bool = False  # verify_s is a shared batched forward (as wide as the widest request)
 
 
 @dataclass

@@ -274,7 +274,8 @@ class CostModelPolicy(VerifyPolicy):
             decayed away. The choice depends on the cycle count and on completed cycles
             only: non-anticipating.
         observe_costs: correct the measured cost curve with the measured times of
-            completed cycles (see the module docstring); False keeps the curve as measured.
+            completed single-request cycles (see the module docstring; a batched cycle's
+            shared forward is not one request's cost); False keeps the curve as measured.
         cost_half_life: decay, in observed cycles, of those measured times.
     """
 
@@ -287,6 +288,8 @@ class CostModelPolicy(VerifyPolicy):
             raise ValueError(f"prior_accept must be in [0, 1], got {prior_accept}")
         if explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {explore_every}")
+        if not cost_half_life > 0:
+            raise ValueError(f"cost_half_life must be > 0 (cycles), got {cost_half_life}")
         self.cost = cost
         self.prior_accept, self.prior_weight = prior_accept, prior_weight
         self.half_life, self.global_weight_cap = half_life, global_weight_cap
@@ -322,7 +325,8 @@ class CostModelPolicy(VerifyPolicy):
         if not seen:
             return self.cost.cycle_s(n)
         k = min(seen, key=lambda k: (abs(k - n), k))
-        return self.cost.cycle_s(n) * (self.obs_sum[k] / self.obs_w[k]) / self.cost.cycle_s(k)
+        ck = self.cost.cycle_s(k)
+        return self.cost.cycle_s(n) * (self.obs_sum[k] / self.obs_w[k]) / ck if ck > 0 else self.cost.cycle_s(n)
 
     # statistics ----------------------------------------------------------------------------
     def _state(self, req) -> _RequestState:
@@ -335,7 +339,7 @@ class CostModelPolicy(VerifyPolicy):
             st.stats.update(int(c.n), a)
             self.pooled.update(int(c.n), a)
             t = [getattr(c, f, None) for f in ("draft_s", "final_s", "verify_s")]
-            if self.observe_costs and None not in t:
+            if self.observe_costs and None not in t and not getattr(c, "batched", False):
                 self.observe(int(c.n), float(sum(t)))
         st.seen = len(req.cycles)
         return st

@@ -80,8 +80,11 @@ def _data_summary(data_dirs) -> str:
     return " plus ".join(parts) if parts and "?" not in kinds else "data of unknown kind"
 
 
-def _schedule(ratio: float) -> str:
-    """The learning-rate schedule's end for the model card (--min-lr-ratio)."""
+def _schedule(ratio) -> str:
+    """The learning-rate schedule's end for the model card (--min-lr-ratio); empty when
+    the card does not record a number."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        return ""
     return "(cosine down to 0)" if ratio == 0 else f"(cosine down to {ratio:g} x lr)"
 
 
@@ -99,13 +102,27 @@ def write_model_card(ckpt: str | Path) -> Path:
     commands and settings, the lineage of earlier runs when ``card.json`` lists one
     (``lineage``: dicts with ``commit``, ``steps``, ``total_steps``, ``data_sequences``,
     ``data_response_tokens``, ``tau_code``, ``tau_chat``), and the held-out acceptance.
-    Returns the path of the written ``README.md``.
+    Returns the path of the written ``README.md``. Optional fields that are missing or
+    null are left out.
+
+    Raises:
+        ValueError: ``card.json`` / ``config.json`` is not a JSON object or lacks a field
+            the card needs (``target``, ``mode``; ``bridge``, ``block_size``,
+            ``num_layers``, ``target_hidden``, ``feature_layers``), naming file and field.
     """
     ckpt = Path(ckpt)
     c = json.loads((ckpt / "card.json").read_text())
     cfg = json.loads((ckpt / "config.json").read_text())
-    acc = c.get("heldout_acceptance_greedy_fp32", {})
-    tc = c.get("train_config", {})
+    for name, d, keys in (("card.json", c, ("target", "mode")),
+                          ("config.json", cfg, ("bridge", "block_size", "num_layers", "target_hidden",
+                                                "feature_layers"))):
+        if not isinstance(d, dict):
+            raise ValueError(f"{ckpt / name} is not a JSON object; cannot render the model card")
+        missing = [k for k in keys if d.get(k) is None]
+        if missing:
+            raise ValueError(f"{ckpt / name} lacks {', '.join(missing)}; cannot render the model card")
+    acc = c.get("heldout_acceptance_greedy_fp32") or {}
+    tc = c.get("train_config") or {}
     total = c.get("total_steps") or c.get("steps")
     total_wall = c.get("total_wall_time_s") or c.get("wall_time_s")
     lines = [
@@ -116,12 +133,12 @@ def write_model_card(ckpt: str | Path) -> Path:
         f"**{total} training steps in all** ({total_wall} s of training); held-out τ "
         f"{acc.get('tau_code')} (code) / {acc.get('tau_chat')} (chat), see below.", "",
         "## Training (last run)", "",
-        f"- data: {', '.join(map(str, c.get('data', [])))} — {c.get('data_sequences')} sequences, "
+        f"- data: {', '.join(map(str, c.get('data') or []))} — {c.get('data_sequences')} sequences, "
         f"{c.get('data_response_tokens')} response tokens ({c.get('data_summary', _OLD_DATA_SUMMARY)}; "
         "held-out sets excluded, see `src/dspine/data/splits.json`)",
-        *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands", [])]),
+        *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands") or []]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
-        f"max length {tc.get('max_len')}, lr {tc.get('lr')} {_schedule(tc.get('min_lr_ratio', 0.1))}, warmup {tc.get('warmup')}, vocab subset "
+        f"max length {tc.get('max_len')}, lr {tc.get('lr')} {_schedule(tc.get('min_lr_ratio', 0.1) if tc else None)}, warmup {tc.get('warmup')}, vocab subset "
         f"{tc.get('vocab_subset')}, bf16 autocast {tc.get('autocast_bf16')})",
         *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
           if c.get("init_from") else []),

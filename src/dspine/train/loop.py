@@ -205,6 +205,8 @@ class Trainer:
                 return
 
     # settings a resumed run may change (how long, how often to save / evaluate, where)
+    # settings added after checkpoints were written: what those checkpoints trained with
+    _LEGACY_DEFAULTS = {"min_lr_ratio": 0.1}
     _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
                   "memo_features", "device"}
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
@@ -246,7 +248,8 @@ class Trainer:
                              f"({type(e).__name__}: {e}); start a new --out, or --init-from a drafter "
                              f"checkpoint") from None
         now = asdict(self.tc)
-        for k, v in (st.get("train_config") or {}).items():
+        saved_tc = {**self._LEGACY_DEFAULTS, **(st.get("train_config") or {})}
+        for k, v in saved_tc.items():
             if k not in self._RESUMABLE and k in now and now[k] != v:
                 raise ValueError(f"--resume: {ck} was trained with {self._FLAGS.get(k, k)} {v!r}, this run "
                                  f"has {now[k]!r}; resume with the same setting or start a new --out "
