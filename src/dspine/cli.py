@@ -129,7 +129,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the request's sampler (0 .. 2**63-1)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="must equal the drafter checkpoint's (default: the checkpoint's; 16 for --drafter random)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
     p.add_argument("--verify-policy", default="fixed",

@@ -14,7 +14,8 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", nargs="+", required=True, metavar="SOURCE",
                    help="sharegpt, stdlib or JSONL paths (interleaved)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--max-prompts", type=positive_int, default=None)
+    p.add_argument("--max-prompts", type=positive_int, default=None,
+                   help="stop after N prompts (default: every prompt of the sources)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])

@@ -74,7 +74,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-queue", type=nonneg_int, default=64, help="waiting requests beyond which HTTP 429 is returned")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="must equal the drafter checkpoint's (default: the checkpoint's; 16 for --drafter random)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of a random drafter")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --target)")
     p.add_argument("--shutdown-timeout", type=nonneg_float, default=30.0,
