@@ -204,14 +204,14 @@ class Trainer:
                 print(f"note: recovered the checkpoint of an interrupted save from {src.name}/", file=sys.stderr)
                 return
 
-    # settings a resumed run may change (how long, how often to save / evaluate, where)
     # settings added after checkpoints were written: what those checkpoints trained with
     _LEGACY_DEFAULTS = {"min_lr_ratio": 0.1}
+    # settings a resumed run may change (how long, how often to save / evaluate, where)
     _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
                   "memo_features", "device"}
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
-              "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup", "vocab_subset": "--vocab-subset", "seed": "--seed",
-              "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast"}
+              "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup",
+              "vocab_subset": "--vocab-subset", "seed": "--seed", "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast"}
 
     def resume(self) -> bool:
         """Load ``ckpt/`` if present; returns True when resumed, False when no checkpoint
