@@ -110,8 +110,11 @@ def write_model_card(ckpt: str | Path) -> Path:
             the card needs (``target``, ``mode``; ``bridge``, ``block_size``,
             ``num_layers``, ``target_hidden``, ``feature_layers``), naming file and field.
     """
+    from ..draft import read_card
+    from .loop import Trainer
+
     ckpt = Path(ckpt)
-    c = json.loads((ckpt / "card.json").read_text())
+    c = read_card(ckpt)  # ConfigError (a ValueError) when damaged or not an object
     cfg = json.loads((ckpt / "config.json").read_text())
     for name, d, keys in (("card.json", c, ("target", "mode")),
                           ("config.json", cfg, ("bridge", "block_size", "num_layers", "target_hidden",
@@ -138,7 +141,9 @@ def write_model_card(ckpt: str | Path) -> Path:
         "held-out sets excluded, see `src/dspine/data/splits.json`)",
         *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands") or []]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
-        f"max length {tc.get('max_len')}, lr {tc.get('lr')} {_schedule(tc.get('min_lr_ratio', 0.1) if tc else None)}, warmup {tc.get('warmup')}, vocab subset "
+        f"max length {tc.get('max_len')}, lr {tc.get('lr')} "
+        f"{_schedule({**Trainer.LEGACY_DEFAULTS, **tc}['min_lr_ratio'] if tc else None)}, "
+        f"warmup {tc.get('warmup')}, vocab subset "
         f"{tc.get('vocab_subset')}, bf16 autocast {tc.get('autocast_bf16')})",
         *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
           if c.get("init_from") else []),
@@ -206,7 +211,8 @@ def cmd_train(args) -> int:
     seqs = _training_seqs(args.data, target, args.max_len)
     cfg = _drafter_config(args, target)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
-                     max_len=args.max_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, seed=args.seed, save_every=args.save_every,
+                     max_len=args.max_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup=args.warmup,
+                     seed=args.seed, save_every=args.save_every,
                      eval_every=args.eval_every, eval_prompts=args.eval_prompts, vocab_subset=args.vocab_subset,
                      feature_dtype=args.feature_dtype,
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,

@@ -205,7 +205,7 @@ class Trainer:
                 return
 
     # settings added after checkpoints were written: what those checkpoints trained with
-    _LEGACY_DEFAULTS = {"min_lr_ratio": 0.1}
+    LEGACY_DEFAULTS = {"min_lr_ratio": 0.1}
     # settings a resumed run may change (how long, how often to save / evaluate, where)
     _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
                   "memo_features", "device"}
@@ -248,7 +248,7 @@ class Trainer:
                              f"({type(e).__name__}: {e}); start a new --out, or --init-from a drafter "
                              f"checkpoint") from None
         now = asdict(self.tc)
-        saved_tc = {**self._LEGACY_DEFAULTS, **(st.get("train_config") or {})}
+        saved_tc = {**self.LEGACY_DEFAULTS, **(st.get("train_config") or {})}
         for k, v in saved_tc.items():
             if k not in self._RESUMABLE and k in now and now[k] != v:
                 raise ValueError(f"--resume: {ck} was trained with {self._FLAGS.get(k, k)} {v!r}, this run "
