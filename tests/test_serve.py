@@ -468,6 +468,9 @@ def test_cli_serve_subprocess_graceful_sigterm():
     bad = subprocess.run([sys.executable, "-m", "dspine.cli", "serve", "--target", MODEL, "--max-running", "9",
                           "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "--max-running" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "dspine.cli", "serve", "--target", MODEL, "--verify-policy", "greedy",
+                          "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "--verify-policy 'greedy' is unknown" in bad.stderr
     proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "serve", "--target", MODEL, "--mode", "ar",
                              "--port", "0", "--threads", "1", "--max-running", "2", "--shutdown-timeout", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -497,6 +500,26 @@ def test_cli_serve_subprocess_graceful_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cost_policy_server_greedy_equals_single_ar(ar):
+    """`dspine serve --verify-policy cost`: one verification length per batched cycle
+    (measured cost curve of this machine); outputs stay the plain loop's."""
+    from dspine.policy import make_policy
+
+    target = load_target(MODEL)
+    prop = DrafterProposer(random_drafter(target, "dspine", seed=0))
+    eng = Engine(target, prop, "dspine", verify_policy=make_policy("cost", target, prop))
+    batch = BatchEngine(eng, 4)
+    app = create_app(batch, MODEL, max_queue=8, info={"mode": "dspine", "verify_policy": "cost"})
+    with ServerThread(app) as srv:
+        jobs = [("/v1/completions", {"prompt": p, "max_tokens": n, "temperature": 0, "return_token_ids": True})
+                for p, n in zip(PROMPTS, LENS)]
+        got = run_all(srv, jobs)
+    for p, n, g in zip(PROMPTS, LENS, got):
+        want = ar.generate(ar.target.encode_prompt(p), max_new_tokens=n)
+        assert g["ids"] == want.token_ids
+    assert batch.batch_policy is not None and batch.batch_policy.decisions
 
 
 def test_real_target_greedy_equals_cli(capsys):

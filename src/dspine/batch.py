@@ -39,7 +39,9 @@ import torch
 
 from .config import SamplingConfig
 from .draft import DrafterProposer, Proposal, propose_batch
+from .batch_policy import BatchCostPolicy
 from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request
+from .policy import CostModelPolicy
 from .sampling import sample_token
 from .verify import Verdict, verify
 
@@ -243,7 +245,8 @@ class BatchEngine:
     """Continuous-batching front of an :class:`Engine` (see module docstring).
 
     Args:
-        engine: the single-request engine (target, proposer, mode, verify policy).
+        engine: the single-request engine (target, proposer, mode, verify policy; a
+            ``cost`` policy chooses one n per batched cycle, :mod:`dspine.batch_policy`).
         max_running: running requests at most (1..8; the validated limit is 8).
         batch_draft: run the drafter once for all requests (padded context K/V) instead
             of once per request; proposals are the same up to float rounding.
@@ -264,6 +267,7 @@ class BatchEngine:
         self.kv = SlotKV(self.target.num_layers, self.max_running)
         self.batched: bool | None = None  # decided at the first prefill
         self.last_cycle: BatchCycle | None = None
+        self.batch_policy: BatchCostPolicy | None = None  # see _batch_policy
         cfg = self.target.model.config
         self._attn = getattr(cfg, "_attn_implementation", "sdpa") or "sdpa"
 
@@ -380,7 +384,11 @@ class BatchEngine:
     @torch.no_grad()
     def _batched_step(self, t0: float) -> dict[int, list[int]]:
         eng, reqs = self.engine, list(self.running)
-        ns0 = [eng._verification_length(r) for r in reqs]
+        bpol = self._batch_policy()
+        if bpol is None:
+            ns0 = [eng._verification_length(r) for r in reqs]
+        else:  # one n for the shared forward, priced at this batch size
+            ns0 = bpol.choose(reqs, [eng.max_verification_length(r) for r in reqs])
         props = self._propose(reqs, ns0)
         draft_s = sum(p.draft_s for p in props)
         final_s = sum(p.final_s for p in props)
@@ -441,7 +449,19 @@ class BatchEngine:
             out[id(req)] = eng._emit(req, new)
             emitted += len(out[id(req)])
         self.last_cycle = BatchCycle(len(reqs), draft_s, final_s, verify_s, time.perf_counter() - t0, emitted)
+        if bpol is not None:
+            bpol.observe(len(reqs), width - 1, self.last_cycle.total_s)
         return out
+
+    def _batch_policy(self) -> BatchCostPolicy | None:
+        """The batch-level cost policy when the engine's policy is ``cost`` (rebuilt if
+        the engine's policy object was replaced), else None (per-request choices)."""
+        pol = self.engine.verify_policy
+        if not isinstance(pol, CostModelPolicy):
+            return None
+        if self.batch_policy is None or self.batch_policy.policy is not pol:
+            self.batch_policy = BatchCostPolicy(pol, self.max_running)
+        return self.batch_policy
 
     # -- drafting ------------------------------------------------------------------------
     def _propose(self, reqs: list[Request], ns: list[int]) -> list[Proposal]:

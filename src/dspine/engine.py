@@ -198,11 +198,16 @@ class Engine:
         self._emit(req, [first])
         return req
 
-    def _verification_length(self, req: Request) -> int:
+    def max_verification_length(self, req: Request) -> int:
+        """The most proposals ``req`` may verify this cycle: block size - 1, and no more
+        than its remaining tokens allow (0 for ``ar``)."""
         if self.proposer is None:
             return 0
         remaining = req.max_new_tokens - len(req.out_ids)
-        n_max = max(0, min(self.proposer.block_size - 1, remaining - 1))
+        return max(0, min(self.proposer.block_size - 1, remaining - 1))
+
+    def _verification_length(self, req: Request) -> int:
+        n_max = self.max_verification_length(req)
         if self.verify_policy is not None and n_max > 0:
             n = int(self.verify_policy(req, n_max))
             return max(0, min(n, n_max))

@@ -280,6 +280,7 @@ class CostModelPolicy(VerifyPolicy):
     """
 
     name = "cost"
+    MAX_DECISIONS = 4096  # ``decisions`` (recent choices of n) keeps between half and all of this many
 
     def __init__(self, cost: CostCurve, prior_accept: float = 0.6, prior_weight: float = 2.0,
                  half_life: float = 64.0, global_half_life: float = 1024.0, global_weight_cap: float = 16.0,
@@ -386,6 +387,8 @@ class CostModelPolicy(VerifyPolicy):
         else:
             n = self.choose(self.confidence(st.stats, n_max), n_max)
         self.decisions.append(n)
+        if len(self.decisions) > self.MAX_DECISIONS:  # a server runs for days: keep it bounded
+            del self.decisions[: len(self.decisions) - self.MAX_DECISIONS // 2]
         return n
 
 

@@ -34,17 +34,20 @@ def cmd_serve(args) -> int:
         torch.set_num_threads(args.threads)
     sock = bind_socket(args.host, args.port)  # fail fast, before loading models
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
-                                  args.seed, args.device)
+                                  args.seed, args.device, verify_policy=args.verify_policy,
+                                  concurrency=args.max_running)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
-    info = {"mode": args.mode, "target": args.target, "drafter": drafter, "dtype": args.dtype}
+    policy = args.verify_policy if args.mode != "ar" else "-"
+    info = {"mode": args.mode, "target": args.target, "drafter": drafter, "dtype": args.dtype,
+            "verify_policy": policy}
     app = create_app(batch, name, args.max_queue, info)
     port = sock.getsockname()[1]
     print(f"dspine serve: listening on http://{args.host}:{port}", flush=True)
     print(f"dspine serve: model '{name}' = target {args.target} ({target.num_layers} layers, vocab "
           f"{target.vocab_size}, context {engine.max_positions}), mode {args.mode}, drafter {drafter}, "
-          f"dtype {args.dtype}, batched {'verification' if args.mode != 'ar' else 'decoding'} of up to "
+          f"dtype {args.dtype}, verify policy {policy}, batched {'verification' if args.mode != 'ar' else 'decoding'} of up to "
           f"{args.max_running} running requests, queue {args.max_queue}", flush=True)
     print("dspine serve: endpoints POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
           "GET /health, GET /metrics; Ctrl-C or SIGTERM stops gracefully", flush=True)
@@ -81,6 +84,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=nonneg_float, default=30.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM; those still "
                         "running then get a 503")
+    p.add_argument("--verify-policy", default="fixed",
+                   help="fixed (verify the whole block) | cost (one verification length per batched "
+                        "cycle, priced at the number of running requests; default: fixed)")
     p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)

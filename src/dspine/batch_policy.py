@@ -1,0 +1,161 @@
+"""Batch-level verification length for the batched engine (spec sections 5 and 8).
+
+In a batched cycle (:class:`dspine.batch.BatchEngine`) every running request shares
+one target forward of width ``max_i n_i + 1``: b requests verifying n proposals each
+cost a forward over ``b * (n + 1)`` tokens. On a CPU that cost grows about in
+proportion to the tokens, so a verification length that pays off for one request
+(the per-request ``--verify-policy cost`` prices a cycle by the *single-request*
+curve) loses at 4 or 8 concurrent requests. :class:`BatchCostPolicy` therefore
+chooses **one** n per batched cycle, maximizing the batch's expected tokens per
+second::
+
+    n* = argmax_n  sum_i E_i[tokens | min(n, n_max_i)]  /  T(b, n)
+
+- ``E_i`` is request i's expected tokens per cycle, from the censored per-position
+  acceptance statistics of the wrapped :class:`~dspine.policy.CostModelPolicy` (the
+  request's own decayed cycles blended with the pooled statistics and a prior);
+- ``T(b, n)`` is the whole batched cycle's cost (drafting, final stage, the shared
+  forward, per-request verification and commit) at b running requests: the decayed
+  mean of observed cycle times at (b, n); for a (b, n) not observed, a prior scaled by
+  the observed/prior ratio at the nearest observed (b', n') (same b first). The prior
+  prices the forward as the single-request curve at ``b * (n + 1)`` tokens (linearly
+  extrapolated past the curve's end) plus b single-request proposals of n tokens.
+- Exploration, as in the per-request policy but bounded for batches: every
+  ``explore_every`` cycles the longest n whose estimated cost is at most twice the
+  chosen one (so a full 16-token verification of 8 requests is not forced), and half-way
+  between, a plain batched step (n = 0) when none was observed at this b recently.
+
+Non-anticipating (exactness, spec section 5): n depends on completed cycles, the cycle
+counter and measured times only, never on this cycle's draws.
+"""
+from __future__ import annotations
+
+import math
+
+from .policy import CostModelPolicy
+
+
+class BatchCostPolicy:
+    """One verification length per batched cycle (see the module docstring).
+
+    Args:
+        policy: the per-request cost policy whose acceptance statistics and measured
+            single-request cost curve (:class:`~dspine.policy.CostCurve`) are used.
+        max_batch: the most running requests (rows) the cost table must hold.
+        cost_half_life: decay, in observed batched cycles, of the measured cycle times
+            (default: the policy's).
+        explore_every: exploration period in batched cycles (default: the policy's;
+            0 = never).
+    Raises:
+        ValueError: ``max_batch`` < 1 or a non-positive half-life.
+    """
+
+    MAX_DECISIONS = 4096  # ``decisions`` keeps between half and all of this many
+
+    def __init__(self, policy: CostModelPolicy, max_batch: int, cost_half_life: float | None = None,
+                 explore_every: int | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        hl = 64.0 if cost_half_life is None else float(cost_half_life)
+        if not hl > 0:
+            raise ValueError(f"cost_half_life must be > 0 (cycles), got {cost_half_life}")
+        self.policy = policy
+        self.n_max = policy.cost.n_max
+        self.decay = 0.5 ** (1.0 / hl) if math.isfinite(hl) else 1.0
+        self.explore_every = policy.explore_every if explore_every is None else int(explore_every)
+        rows = max_batch + 1  # index b = running requests (row 0 unused)
+        self.obs_sum = [[0.0] * (self.n_max + 1) for _ in range(rows)]  # decayed seconds per (b, n)
+        self.obs_w = [[0.0] * (self.n_max + 1) for _ in range(rows)]  # decayed counts per (b, n)
+        self.cycles = 0
+        self.decisions: list[tuple[int, int]] = []  # (b, n) of recent cycles, bounded
+
+    # -- cost --------------------------------------------------------------------------
+    def prior(self, b: int, n: int) -> float:
+        """Prior cost (s) of a batched cycle of b requests verifying n proposals each:
+        the single-request forward curve at ``b * (n + 1)`` tokens plus b proposals."""
+        c = self.policy.cost
+        v = c.verify_s  # v[k - 1]: forward over k tokens, k = 1 .. n_max + 1
+        k = b * (n + 1)
+        if k - 1 <= c.n_max:
+            fwd = v[k - 1]
+        else:
+            mid = c.n_max // 2
+            slope = max(0.0, (v[-1] - v[mid]) / (c.n_max - mid)) if c.n_max > mid else 0.0
+            fwd = v[-1] + slope * (k - 1 - c.n_max)
+        prop = 0.0 if n == 0 else b * (c.cycle_s(n) - c.verify_s[min(n, c.n_max)])
+        return fwd + prop
+
+    def observe(self, b: int, n: int, seconds: float) -> None:
+        """Add the measured wall time (s) of a batched cycle of b requests whose widest
+        verification was n proposals. Out-of-range or non-finite values are ignored."""
+        if not (1 <= b < len(self.obs_w) and 0 <= n <= self.n_max and seconds > 0 and math.isfinite(seconds)):
+            return
+        d = self.decay
+        if d < 1.0:
+            for row_s, row_w in zip(self.obs_sum, self.obs_w):
+                for j in range(len(row_s)):
+                    row_s[j] *= d
+                    row_w[j] *= d
+        self.obs_sum[b][n] += seconds
+        self.obs_w[b][n] += 1.0
+
+    def cycle_cost(self, b: int, n: int) -> float:
+        """Estimated cost (s) of a batched cycle at (b, n): the observed decayed mean, or
+        the prior times the observed/prior ratio at the nearest observed cell."""
+        n = min(n, self.n_max)
+        if self.obs_w[b][n] >= 0.5:
+            return self.obs_sum[b][n] / self.obs_w[b][n]
+        cells = [(bb, nn) for bb, row in enumerate(self.obs_w) for nn, w in enumerate(row) if w >= 0.5]
+        if not cells:
+            return self.prior(b, n)
+        bb, nn = min(cells, key=lambda c: (abs(c[0] - b), abs(c[1] - n), c[1], c[0]))
+        p = self.prior(bb, nn)
+        mean = self.obs_sum[bb][nn] / self.obs_w[bb][nn]
+        return self.prior(b, n) * mean / p if p > 0 else self.prior(b, n)
+
+    # -- choice ------------------------------------------------------------------------
+    def expected(self, reqs, n_maxes: list[int]) -> list[list[float]]:
+        """Per request, E[tokens | n] for n = 0..min(n_max_i, policy n_max) (consumes the
+        requests' completed cycles into the policy's statistics)."""
+        states = [self.policy._state(r) for r in reqs]  # all completed cycles pooled first
+        out = []
+        for st, m in zip(states, n_maxes):
+            m = max(0, min(int(m), self.n_max))
+            out.append(self.policy.expected_tokens(self.policy.confidence(st.stats, m)))
+        return out
+
+    def choose(self, reqs, n_maxes: list[int]) -> list[int]:
+        """Verification length of each request for this cycle: ``min(n*, n_max_i)``.
+
+        Args:
+            reqs: the running requests (``cycles`` of each are read).
+            n_maxes: the most each request may verify now (block size, remaining tokens).
+        Returns:
+            list of ints, one per request, each in ``0 .. n_maxes[i]``.
+        """
+        b = len(reqs)
+        if b == 0:
+            return []
+        if b >= len(self.obs_w):
+            raise ValueError(f"{b} running requests exceed the policy's max_batch {len(self.obs_w) - 1}")
+        es = self.expected(reqs, n_maxes)
+        top = max(len(e) - 1 for e in es)
+        best, best_rate = 0, -1.0
+        for n in range(top + 1):
+            tokens = sum(e[min(n, len(e) - 1)] for e in es)
+            c = self.cycle_cost(b, n)
+            rate = tokens / c if c > 0 else float("inf")
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
+        n, k = best, self.explore_every
+        if top > 0 and k and self.cycles % k == k - 1:  # explore longer n, at most 2x the cost
+            limit = 2.0 * self.cycle_cost(b, best)
+            n = max(m for m in range(best, top + 1) if m == best or self.cycle_cost(b, m) <= limit)
+            n = max(n, min(best + 1, top))
+        elif top > 0 and k and self.cycles % k == k // 2 - 1 and self.obs_w[b][0] < 0.5:
+            n = 0  # probe a plain batched step at this b
+        self.cycles += 1
+        self.decisions.append((b, n))
+        if len(self.decisions) > self.MAX_DECISIONS:
+            del self.decisions[: len(self.decisions) - self.MAX_DECISIONS // 2]
+        return [min(n, max(0, int(m))) for m in n_maxes]
