@@ -341,6 +341,16 @@ def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
     assert {r["mode"] for r in c2} == {"ar", "dspine"} and len(c2) == 4
     g = next(g for g in s["results"] if g["concurrency"] == 2 and g["mode"] == "dspine")
     assert g["throughput_tokens_per_s"] > 0
+    # the first request decodes while the second is prefilled: that wait is its prefill stall,
+    # a term of the cost model (C + S + O) / tau beside the cycle split
+    first = next(r for r in c2 if r["mode"] == "dspine")
+    assert 0 < first["prefill_stall_s"] <= first["overhead_s"]
+    cm = g["cost_model"]
+    assert cm["prefill_stall_per_cycle_s"] > 0
+    assert g["cycle_split_s"]["prefill_stall"] == pytest.approx(cm["prefill_stall_per_cycle_s"])
+    assert cm["model_s_per_token"] == pytest.approx(
+        (cm["cycle_cost_s"] + cm["prefill_stall_per_cycle_s"] + cm["overhead_per_cycle_s"]) / cm["tau"])
+    assert all("prefill_stall_s" not in r for r in rows if r["concurrency"] == 1)
 
 
 def test_smoke_cli(tmp_path):

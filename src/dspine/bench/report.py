@@ -3,8 +3,10 @@
 Cost model (spec section 10): per mode, the measured time per output token after
 prefill (sum of decode time / tokens after the first emission) is compared with
 
-    model = (C + O) / tau,   C = (draft + final stage + verification time) per cycle,
+    model = (C + S + O) / tau,   C = (draft + final stage + verification time) per cycle,
                              tau = tokens emitted per cycle (pooled over cycles),
+                             S = prefill stall per cycle (concurrency > 1: time a
+                                 request's decoding waited for other requests' prefills),
                              O = overhead per cycle measured on the mode's last warm-up
 
 reported side by side with ``C / tau`` (the cost before scheduling overhead) and
@@ -111,17 +113,21 @@ def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
             d = sum(r["draft_s"] for r in ok) / cyc
             f = sum(r["final_stage_s"] for r in ok) / cyc
             v = sum(r["verify_s"] for r in ok) / cyc
-            o_run = sum(r["overhead_s"] for r in ok) / cyc
+            S = sum(r.get("prefill_stall_s") or 0.0 for r in ok) / cyc
+            o_run = sum(r["overhead_s"] for r in ok) / cyc - S
             g["cycle_split_s"] = {"draft": d, "final_stage": f, "verify": v, "overhead": o_run}
+            if any("prefill_stall_s" in r for r in ok):
+                g["cycle_split_s"]["prefill_stall"] = S
             C = d + f + v
             O = overhead if overhead is not None else 0.0
         else:
             C = sum(r.get("cycle_s") or 0 for r in ok) / cyc
             g["cycle_split_s"] = {"cycle_unsplit": C}
-            O = 0.0
+            S = O = 0.0
         tau = g["tau_pooled"]
-        cm.update(cycle_cost_s=C, overhead_per_cycle_s=O, tau=tau, cost_before_overhead_s_per_token=C / tau,
-                  overhead_s_per_token=O / tau, model_s_per_token=(C + O) / tau)
+        cm.update(cycle_cost_s=C, prefill_stall_per_cycle_s=S, overhead_per_cycle_s=O, tau=tau,
+                  cost_before_overhead_s_per_token=C / tau, stall_s_per_token=S / tau,
+                  overhead_s_per_token=O / tau, model_s_per_token=(C + S + O) / tau)
         if cm["measured_s_per_token"]:
             err = cm["model_s_per_token"] / cm["measured_s_per_token"] - 1
             cm["error"] = err
@@ -299,16 +305,20 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                      f"| {_f(g['verification_length_mean'], '{:.1f}')} | {g['peak_memory_bytes_max'] / 2**20:.0f} "
                      f"| {g['failures']} ({g['timeouts']} timeouts) | {_check_cell(g)} |")
     L += ["", "## Cost model (s per output token after prefill)", "",
-          "C = draft + final stage + verification per cycle, O = overhead per cycle (warm-up), "
+          "C = draft + final stage + verification per cycle, S = prefill stall per cycle (concurrency > 1: "
+          "the request's decoding waited while other requests were prefilled; prefill is not chunked), "
+          "O = overhead per cycle (warm-up), "
           f"tau pooled; flagged when model and measurement differ by more than {100 * COST_MODEL_TOLERANCE:.0f}%.", "",
-          "| concurrency | setting | workload | mode | measured | C/tau | O/tau | model (C+O)/tau | error | split ms/cycle |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "| concurrency | setting | workload | mode | measured | C/tau | S/tau | O/tau | model (C+S+O)/tau | error "
+          "| split ms/cycle |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in res:
         cm = g["cost_model"]
         split = " / ".join(f"{k} {1000 * v:.1f}" for k, v in (g.get("cycle_split_s") or {}).items())
         flag = " **FLAG**" if cm.get("flag") else ""
         L.append(f"| {g['concurrency']} | {g['setting']} | {g['workload']} | {g['mode']} "
                  f"| {_f(cm.get('measured_s_per_token'), '{:.4f}')} | {_f(cm.get('cost_before_overhead_s_per_token'), '{:.4f}')} "
+                 f"| {_f(cm.get('stall_s_per_token'), '{:.4f}')} "
                  f"| {_f(cm.get('overhead_s_per_token'), '{:.4f}')} | {_f(cm.get('model_s_per_token'), '{:.4f}')} "
                  f"| {_f(cm.get('error'), '{:+.1%}')}{flag} | {split or '–'} |")
     if plots:
@@ -320,7 +330,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
 
 
 def make_plots(summary: dict, out_dir: Path) -> list[str]:
-    """speedup.png, acceptance.png, cycle_split.png (concurrency 1); returns file names."""
+    """speedup.png, acceptance.png (concurrency 1), cycle_split.png (a bar per mode and
+    concurrency); returns file names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -387,13 +398,18 @@ def make_plots(summary: dict, out_dir: Path) -> list[str]:
     fig.savefig(out_dir / "acceptance.png", dpi=100)
     plt.close(fig)
     files.append("acceptance.png")
-    # 3. cycle-time split per output token (mean over workloads, first setting)
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(summary["modes"])), 4))
-    parts = ["draft", "final_stage", "verify", "overhead", "cycle_unsplit"]
-    colors = dict(zip(parts, ["#4c72b0", "#dd8452", "#55a868", "#8c8c8c", "#c44e52"]))
+    # 3. cycle-time split per output token (mean over workloads, first setting; one bar
+    #    per mode and concurrency)
+    res = summary["results"]
+    concs = sorted({g["concurrency"] for g in res})
+    bars = [(m, c) for c in concs for m in summary["modes"]]
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(bars)), 4))
+    parts = ["draft", "final_stage", "verify", "prefill_stall", "overhead", "cycle_unsplit"]
+    colors = dict(zip(parts, ["#4c72b0", "#dd8452", "#55a868", "#937860", "#8c8c8c", "#c44e52"]))
     s0 = settings[0]
-    for i, m in enumerate(summary["modes"]):
-        gs = [g for g in res if g["setting"] == s0 and g["mode"] == m and g.get("cycle_split_s") and g.get("tau_pooled")]
+    for i, (m, conc) in enumerate(bars):
+        gs = [g for g in res if g["setting"] == s0 and g["mode"] == m and g["concurrency"] == conc
+              and g.get("cycle_split_s") and g.get("tau_pooled")]
         if not gs:
             continue
         bottom = 0.0
@@ -404,7 +420,7 @@ def make_plots(summary: dict, out_dir: Path) -> list[str]:
             v = statistics.mean(vals)
             ax.bar(i, v, bottom=bottom, color=colors[p], label=p)
             bottom += v
-    ax.set_xticks(range(len(summary["modes"])), summary["modes"])
+    ax.set_xticks(range(len(bars)), [m if len(concs) == 1 else f"{m}\nc={c}" for m, c in bars])
     ax.set_ylabel("ms per output token (cycle time / tau)")
     ax.set_title(f"cycle-time split ({s0}, mean over workloads)")
     handles, labels = ax.get_legend_handles_labels()

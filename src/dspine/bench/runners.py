@@ -244,18 +244,26 @@ class EngineRunner(Runner):
         """Closed loop over ``prompts`` with the batched engine (``--concurrency N``).
 
         ``prompts``: (BenchPrompt, repeat) pairs; ``sampling_for(repeat)`` gives the
-        request's SamplingConfig. Rows come back in input order.
+        request's SamplingConfig. Rows come back in input order. Each row's
+        ``prefill_stall_s`` is the time (s) its decoding waited while other requests
+        were prefilled and admitted (prefill is not chunked into the cycles).
         """
         from ..engine import EngineError  # noqa: F401  (errors propagate as ValueError)
 
         be = batch_engine
         reqs: list = [None] * len(prompts)
+        stall: dict[int, float] = {}  # id(request) -> s spent in other requests' prefills
         nxt = 0
         with PeakMemory(self.target.device) as mem:
             while nxt < len(prompts) or be.running:
                 while nxt < len(prompts) and be.free_slots > 0:
                     p, rep = prompts[nxt]
+                    waiting = list(be.running)  # their decode clocks run through this prefill
+                    t0 = time.perf_counter()
                     reqs[nxt] = be.add(list(p.prompt_ids), sampling_for(rep), p.max_new_tokens, p.stop)
+                    dt = time.perf_counter() - t0
+                    for r in waiting:
+                        stall[id(r)] = stall.get(id(r), 0.0) + dt
                     nxt += 1
                 now = time.perf_counter()
                 for r in list(be.running):
@@ -267,6 +275,7 @@ class EngineRunner(Runner):
         for r in reqs:
             res = self.engine.result(r)
             rows.append(self._row(r, res, mem, r.finish_reason or res.finish_reason))
+            rows[-1]["prefill_stall_s"] = min(stall.get(id(r), 0.0), rows[-1]["overhead_s"])
             if r.error:  # this request's own part of a cycle failed (finish_reason "error")
                 rows[-1]["error"] = r.error
         return rows
