@@ -415,7 +415,7 @@ class BatchEngine:
         t2 = time.perf_counter()
         verify_s = t2 - t1
         out: dict[int, list[int]] = {}
-        emitted = 0
+        emitted, own_verify_s, recs = 0, 0.0, []
         for i, (req, p) in enumerate(zip(reqs, props)):
             tc = time.perf_counter()
             n = ns[i]
@@ -442,13 +442,16 @@ class BatchEngine:
                 commit_s = time.perf_counter() - tv
             req.count_acceptance(n, a)
             new = [int(t) for t in p.tokens[:a]] + [verdict.token]
-            # per-request record: its own draft/final, the shared forward + its verify
-            req.cycles.append(CycleRecord(n, a + 1, p.draft_s + commit_s, p.final_s,
-                                          verify_s + (tv - tc), time.perf_counter() - t0, batched=True))
+            req.cycles.append(CycleRecord(n, a + 1, 0.0, 0.0, 0.0, 0.0, batched=True))  # times below
+            recs.append(req.cycles[-1])
             draft_s += commit_s
+            own_verify_s += tv - tc
             out[id(req)] = eng._emit(req, new)
             emitted += len(out[id(req)])
         self.last_cycle = BatchCycle(len(reqs), draft_s, final_s, verify_s, time.perf_counter() - t0, emitted)
+        for rec in recs:  # every request waited for the whole batched cycle: record its phases
+            rec.draft_s, rec.final_s = draft_s, final_s
+            rec.verify_s, rec.total_s = verify_s + own_verify_s, self.last_cycle.total_s
         if bpol is not None:
             bpol.observe(len(reqs), width - 1, self.last_cycle.total_s)
         return out

@@ -43,7 +43,10 @@ class CycleRecord:
     final_s: float
     verify_s: float
     total_s: float
-    batched: bool = False  # verify_s is a shared batched forward (as wide as the widest request)
+    # batched: a cycle of the batched engine; its times are those of the whole batched cycle
+    # the request waited for (every request's drafting, final stage and verification, the
+    # shared forward as wide as the widest request), not this request's share
+    batched: bool = False
 
 
 @dataclass
