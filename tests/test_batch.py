@@ -256,3 +256,29 @@ def test_retried_batched_draft_keeps_every_sampled_output(target, prompts, spec,
     assert calls["n"] > 6
     assert [g.finish_reason != "error" for g in got] == [True] * 4
     assert [g.token_ids for g in got] == single
+
+
+def test_commit_many_equals_commit_per_request(target):
+    """One context projection for the batch (``DrafterProposer.commit_many``) fills every
+    request's draft context exactly as per-request commits do: same positions, ring
+    order and K/V (to float rounding), with an empty commit and one beyond the window."""
+    d = random_drafter(target, "dspine", seed=3)
+    prop = DrafterProposer(d)
+    F = d.fc.in_features
+    g = torch.Generator().manual_seed(0)
+    W = d.cfg.window
+    plan = [(5, 0), (0, 7), (1, 12), (W + 9, 0)]  # (features, start position)
+    feats = [torch.randn(n, F, generator=g) for n, _ in plan]
+    one = [prop.new_state([1]) for _ in plan]
+    many = [prop.new_state([1]) for _ in plan]
+    for s, f, (_, p) in zip(one, feats, plan):
+        prop.commit(s, f, p)
+    prop.commit_many(many, feats, [p for _, p in plan])
+    for a, b in zip(one, many):
+        assert a.written == b.written
+        if a.pos is None:
+            assert b.pos is None
+            continue
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.valid, b.valid)
+        for x, y in zip(a.k + a.v, b.k + b.v):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

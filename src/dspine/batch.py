@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_policy import BatchCostPolicy
 from .config import SamplingConfig
 from .draft import DrafterProposer, Proposal, propose_batch
-from .batch_policy import BatchCostPolicy
 from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request
 from .policy import CostModelPolicy
 from .sampling import sample_token
@@ -415,7 +415,7 @@ class BatchEngine:
         t2 = time.perf_counter()
         verify_s = t2 - t1
         out: dict[int, list[int]] = {}
-        emitted, own_verify_s, recs = 0, 0.0, []
+        emitted, own_verify_s, recs, commits = 0, 0.0, [], []
         for i, (req, p) in enumerate(zip(reqs, props)):
             tc = time.perf_counter()
             n = ns[i]
@@ -435,19 +435,20 @@ class BatchEngine:
             self.kv.lengths[i] = starts[i] + a + 1
             req.cache.length = starts[i] + a + 1
             tv = time.perf_counter()
-            commit_s = 0.0
-            if eng.proposer is not None:
+            if eng.proposer is not None:  # committed for all requests at once below
                 f = feats[i, : a + 1] if feats is not None else torch.zeros(a + 1, 0)  # feature-less proposers
-                eng.proposer.commit(req.draft_state, f, starts[i])
-                commit_s = time.perf_counter() - tv
+                commits.append((req.draft_state, f, starts[i]))
             req.count_acceptance(n, a)
             new = [int(t) for t in p.tokens[:a]] + [verdict.token]
             req.cycles.append(CycleRecord(n, a + 1, 0.0, 0.0, 0.0, 0.0, batched=True))  # times below
             recs.append(req.cycles[-1])
-            draft_s += commit_s
             own_verify_s += tv - tc
             out[id(req)] = eng._emit(req, new)
             emitted += len(out[id(req)])
+        if commits:  # the draft context of every request: one projection for the batch
+            tv = time.perf_counter()
+            eng.proposer.commit_many(*map(list, zip(*commits)))
+            draft_s += time.perf_counter() - tv
         self.last_cycle = BatchCycle(len(reqs), draft_s, final_s, verify_s, time.perf_counter() - t0, emitted)
         for rec in recs:  # every request waited for the whole batched cycle: record its phases
             rec.draft_s, rec.final_s = draft_s, final_s

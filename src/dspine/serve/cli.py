@@ -47,7 +47,8 @@ def cmd_serve(args) -> int:
     print(f"dspine serve: listening on http://{args.host}:{port}", flush=True)
     print(f"dspine serve: model '{name}' = target {args.target} ({target.num_layers} layers, vocab "
           f"{target.vocab_size}, context {engine.max_positions}), mode {args.mode}, drafter {drafter}, "
-          f"dtype {args.dtype}, verify policy {policy}, batched {'verification' if args.mode != 'ar' else 'decoding'} of up to "
+          f"dtype {args.dtype}, verify policy {policy}, "
+          f"batched {'verification' if args.mode != 'ar' else 'decoding'} of up to "
           f"{args.max_running} running requests, queue {args.max_queue}", flush=True)
     print("dspine serve: endpoints POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
           "GET /health, GET /metrics; Ctrl-C or SIGTERM stops gracefully", flush=True)
