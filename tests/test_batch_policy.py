@@ -70,6 +70,23 @@ def test_choice_is_the_argmax_of_the_batch_rate():
     assert pol.choose(reqs, n_maxes) == [min(want, m) for m in n_maxes]
 
 
+def test_exploration_stays_within_twice_the_chosen_cost():
+    """Exploration cycles verify the longest n costing at most 2x the chosen n; when
+    even one more proposal costs more, they keep the chosen n."""
+    steep = CostCurve([1.0 + 5.0 * n for n in range(16)], draft_s=0.05)
+    pol = BatchCostPolicy(CostModelPolicy(steep, prior_accept=0.01, explore_every=2), max_batch=8)
+    got = [pol.choose([_Req()] * 8, [15] * 8)[0] for _ in range(6)]
+    assert got == [0] * 6  # n = 1 costs > 2x a plain step at 8 requests
+    curve = _linear_curve(per_token=0.1)
+    ref = BatchCostPolicy(CostModelPolicy(curve, prior_accept=0.01, explore_every=0), 8)
+    best = ref.choose([_Req()] * 2, [15] * 2)[0]
+    pol = BatchCostPolicy(CostModelPolicy(curve, prior_accept=0.01, explore_every=4), max_batch=8)
+    got = [pol.choose([_Req()] * 2, [15] * 2)[0] for _ in range(4)]  # cycle 1: n = 0 probe, cycle 3: explore
+    assert got[0] == got[2] == best and got[1] == 0
+    limit = 2 * pol.cycle_cost(2, best)
+    assert got[3] > best and pol.cycle_cost(2, got[3]) <= limit < pol.cycle_cost(2, got[3] + 1)
+
+
 def test_observed_batch_times_correct_a_wrong_prior():
     """The prior says a batched forward is nearly free whatever its width (a flat curve);
     the observed cycles at 8 requests say each verified position costs as much as a plain
@@ -112,6 +129,14 @@ def test_cost_table_edges():
     for bad in (dict(max_batch=0), dict(max_batch=2, cost_half_life=0.0)):
         with pytest.raises(ValueError):
             BatchCostPolicy(CostModelPolicy(_linear_curve()), **bad)
+    with pytest.raises(ValueError, match="explore_every"):
+        BatchCostPolicy(CostModelPolicy(_linear_curve()), 2, explore_every=-1)
+    # the decay and the observe_costs switch come from the wrapped policy
+    base = CostModelPolicy(_linear_curve(), cost_half_life=4.0, observe_costs=False)
+    frozen = BatchCostPolicy(base, 2)
+    assert frozen.decay == pytest.approx(base.cost_decay) == pytest.approx(0.5 ** 0.25)
+    frozen.observe(2, 1, 100.0)
+    assert frozen.cycle_cost(2, 1) == pytest.approx(frozen.prior(2, 1))  # the prior alone
     pol.MAX_DECISIONS = 8  # bounded history
     for _ in range(20):
         pol.choose([_Req()], [3])

@@ -187,6 +187,8 @@ def test_generate_notes_ignored_settings(capsys):
     assert code == 0
     assert "--top-k 5, --top-p 0.9 ignored: --temperature 0 is greedy" in err
     assert "--drafter / --block-size ignored: --mode ar" in err
+    code, _, err = cli(capsys, *_gen("--mode", "ar", "--verify-policy", "cost"))
+    assert code == 0 and "--verify-policy cost ignored: --mode ar" in err
     code, _, err = cli(capsys, *_gen("--mode", "ar", "--temperature", "0.7", "--top-k", "5"))
     assert code == 0 and "ignored" not in err
 

@@ -328,6 +328,16 @@ def test_unobserved_lengths_scale_with_the_observed_ratio():
     assert decayed.obs_w[0] == pytest.approx(0.25) and decayed.cycle_cost(0) == pytest.approx(1.0)
 
 
+def test_cost_curve_validated_on_construction():
+    """A curve whose costs are negative or not finite would make some n look free."""
+    for bad in (dict(verify_s=[]), dict(verify_s=[1.0, float("nan")]), dict(verify_s=[1.0, -2.0]),
+                dict(verify_s=[1.0, 2.0], draft_s=float("inf")), dict(verify_s=[1.0, 2.0], propose_s=[0.0])):
+        with pytest.raises(ValueError, match="CostCurve"):
+            CostCurve(**bad)
+    c = CostCurve([1.0, 2.0], propose_s=[0.0, 0.5])
+    assert CostCurve.from_dict(c.to_dict()) == c
+
+
 def test_cost_correction_edge_cases():
     """A zero-cost curve point, a batched cycle (its forward is shared by the batch, not
     this request's cost) and a bad half-life do not break the policy."""

@@ -210,3 +210,24 @@ def test_refused_requests(tiny256):
         Engine(tiny256, None, "medusa")
     with pytest.raises(EngineError, match="drafter"):
         Engine(tiny256, None, "dspine")
+
+
+def test_stop_checked_after_each_token_of_a_block(tiny256):
+    """The plain loop checks the text after every token; a block emitted at once must
+    stop at the same token even when only an intermediate text holds the stop string
+    (here U+FFFD of a UTF-8 character split over two byte tokens: 'é' = C3 A9)."""
+    eng = Engine(tiny256, None, "ar")
+
+    def emit_after_a(stop, new):
+        req = eng.start(TINY_PROMPT, SamplingConfig(), 10, stop)
+        req.out_ids[:] = [65]  # 'A', whatever the first sampled token was
+        req.finished, req.finish_reason = False, None
+        eng._emit(req, new)
+        return req
+
+    one_by_one = emit_after_a(["\ufffd"], [0xC3])
+    assert one_by_one.out_ids == [65, 0xC3] and one_by_one.finish_reason == "stop"
+    block = emit_after_a(["\ufffd"], [0xC3, 0xA9, 66])  # 'é' completes in the same block
+    assert block.out_ids == [65, 0xC3] and block.finish_reason == "stop"
+    other = emit_after_a(["x"], [0xC3, 0xA9, 66])
+    assert other.out_ids == [65, 0xC3, 0xA9, 66] and not other.finished

@@ -22,8 +22,10 @@ second::
   extrapolated past the curve's end) plus b single-request proposals of n tokens.
 - Exploration, as in the per-request policy but bounded for batches: every
   ``explore_every`` cycles the longest n whose estimated cost is at most twice the
-  chosen one (so a full 16-token verification of 8 requests is not forced), and half-way
-  between, a plain batched step (n = 0) when none was observed at this b recently.
+  chosen one (so a full 16-token verification of 8 requests is not forced; none when even
+  one more proposal would cost more), and half-way between, a plain batched step (n = 0)
+  when none was observed at this b recently.
+- With ``observe_costs=False`` on the wrapped policy, the prior alone prices the cycles.
 
 Non-anticipating (exactness, spec section 5): n depends on completed cycles, the cycle
 counter and measured times only, never on this cycle's draws.
@@ -43,11 +45,12 @@ class BatchCostPolicy:
             single-request cost curve (:class:`~dspine.policy.CostCurve`) are used.
         max_batch: the most running requests (rows) the cost table must hold.
         cost_half_life: decay, in observed batched cycles, of the measured cycle times
-            (default: the policy's).
+            (default: the policy's ``cost_half_life``).
         explore_every: exploration period in batched cycles (default: the policy's;
             0 = never).
     Raises:
-        ValueError: ``max_batch`` < 1 or a non-positive half-life.
+        ValueError: ``max_batch`` < 1, a non-positive half-life or a negative
+            ``explore_every``.
     """
 
     MAX_DECISIONS = 4096  # ``decisions`` keeps between half and all of this many
@@ -56,12 +59,17 @@ class BatchCostPolicy:
                  explore_every: int | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        hl = 64.0 if cost_half_life is None else float(cost_half_life)
-        if not hl > 0:
+        if cost_half_life is not None and not float(cost_half_life) > 0:
             raise ValueError(f"cost_half_life must be > 0 (cycles), got {cost_half_life}")
+        if explore_every is not None and int(explore_every) < 0:
+            raise ValueError(f"explore_every must be >= 0, got {explore_every}")
         self.policy = policy
         self.n_max = policy.cost.n_max
-        self.decay = 0.5 ** (1.0 / hl) if math.isfinite(hl) else 1.0
+        if cost_half_life is None:
+            self.decay = policy.cost_decay
+        else:
+            hl = float(cost_half_life)
+            self.decay = 0.5 ** (1.0 / hl) if math.isfinite(hl) else 1.0
         self.explore_every = policy.explore_every if explore_every is None else int(explore_every)
         rows = max_batch + 1  # index b = running requests (row 0 unused)
         self.obs_sum = [[0.0] * (self.n_max + 1) for _ in range(rows)]  # decayed seconds per (b, n)
@@ -87,7 +95,11 @@ class BatchCostPolicy:
 
     def observe(self, b: int, n: int, seconds: float) -> None:
         """Add the measured wall time (s) of a batched cycle of b requests whose widest
-        verification was n proposals. Out-of-range or non-finite values are ignored."""
+        verification was n proposals. Out-of-range or non-finite values are ignored, and
+        so is everything when the wrapped policy keeps its curve as measured
+        (``observe_costs=False``)."""
+        if not self.policy.observe_costs:
+            return
         if not (1 <= b < len(self.obs_w) and 0 <= n <= self.n_max and seconds > 0 and math.isfinite(seconds)):
             return
         d = self.decay
@@ -151,7 +163,6 @@ class BatchCostPolicy:
         if top > 0 and k and self.cycles % k == k - 1:  # explore longer n, at most 2x the cost
             limit = 2.0 * self.cycle_cost(b, best)
             n = max(m for m in range(best, top + 1) if m == best or self.cycle_cost(b, m) <= limit)
-            n = max(n, min(best + 1, top))
         elif top > 0 and k and self.cycles % k == k // 2 - 1 and self.obs_w[b][0] < 0.5:
             n = 0  # probe a plain batched step at this b
         self.cycles += 1

@@ -112,6 +112,8 @@ def ignored_settings(args, sampling) -> list[str]:
             notes.append(f"{', '.join(set_)} ignored: --temperature 0 is greedy decoding")
     if args.mode == "ar" and (args.drafter is not None or args.block_size is not None):
         notes.append("--drafter / --block-size ignored: --mode ar runs the target alone")
+    if args.mode == "ar" and getattr(args, "verify_policy", "fixed") != "fixed":
+        notes.append(f"--verify-policy {args.verify_policy} ignored: --mode ar verifies no drafted tokens")
     return notes
 
 

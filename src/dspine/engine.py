@@ -279,20 +279,17 @@ class Engine:
         return req.out_ids[start:]
 
     def _apply_stop(self, req: Request, start: int) -> None:
+        """End the output at the first token after which the decoded text holds a stop
+        string, checking the text after *each* token emitted this cycle, as the plain
+        one-token loop does (an intermediate text can hold a stop that the whole block's
+        text does not, e.g. U+FFFD of a UTF-8 character split over byte tokens)."""
         tok = self.target.tokenizer
-        text = tok.decode(req.out_ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in req.stop if s in text]
-        if not hits:
-            return
-        # shortest token prefix whose text contains a stop string (tokens end there)
-        k = start
-        while k < len(req.out_ids):
-            k += 1
+        for k in range(start + 1, len(req.out_ids) + 1):
             t = tok.decode(req.out_ids[:k], skip_special_tokens=True)
             if any(s in t for s in req.stop):
-                break
-        del req.out_ids[k:]
-        req.finished, req.finish_reason = True, "stop"
+                del req.out_ids[k:]
+                req.finished, req.finish_reason = True, "stop"
+                return
 
     def text_of(self, req: Request) -> str:
         """Decoded output, cut before the first stop string."""

@@ -96,6 +96,18 @@ class CostCurve:
     meta: dict = field(default_factory=dict)
     propose_s: list[float] | None = None
 
+    def __post_init__(self):
+        """Raises ValueError: an empty curve, or a cost that is negative or not finite
+        (a curve loaded with :meth:`from_dict` must not make some n look free)."""
+        if not self.verify_s:
+            raise ValueError("CostCurve.verify_s is empty (need the cost of n = 0)")
+        vals = list(self.verify_s) + [self.draft_s, self.final_per_row_s] + list(self.propose_s or [])
+        bad = [v for v in vals if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise ValueError(f"CostCurve costs must be finite and >= 0 seconds, got {bad[0]!r}")
+        if self.propose_s is not None and len(self.propose_s) != len(self.verify_s):
+            raise ValueError(f"CostCurve.propose_s has {len(self.propose_s)} values, verify_s {len(self.verify_s)}")
+
     @property
     def n_max(self) -> int:
         return len(self.verify_s) - 1

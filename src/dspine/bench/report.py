@@ -8,6 +8,7 @@ prefill (sum of decode time / tokens after the first emission) is compared with
                              S = prefill stall per cycle (concurrency > 1: time a
                                  request's decoding waited for other requests' prefills),
                              O = overhead per cycle measured on the mode's last warm-up
+                                 (run alone, so also used at concurrency > 1)
 
 reported side by side with ``C / tau`` (the cost before scheduling overhead) and
 flagged when model and measurement differ by more than 10%. For the transformers
@@ -168,7 +169,9 @@ def summarize(rows: list[dict], cfg: dict | None = None, skipped: list | None = 
     for (c, s, w, m), rs in groups.items():
         ar = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, "ar"), [])}
         peer = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, PEER), [])}
-        g = _group_stats(rs, ar if m != "ar" else {}, ovh.get((c, s, m)), peer if m != PEER else {})
+        # warm-ups run alone (concurrency 1): their per-cycle overhead is O at every concurrency
+        o = ovh.get((c, s, m), ovh.get((1, s, m)))
+        g = _group_stats(rs, ar if m != "ar" else {}, o, peer if m != PEER else {})
         if m == "ar":
             g["speedup"] = g["e2e_speedup"] = None
         if m == PEER:

@@ -32,6 +32,9 @@ def cmd_serve(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
+    if args.mode == "ar" and args.verify_policy != "fixed":
+        print(f"dspine serve: note: --verify-policy {args.verify_policy} ignored: --mode ar verifies "
+              f"no drafted tokens", file=sys.stderr, flush=True)
     sock = bind_socket(args.host, args.port)  # fail fast, before loading models
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy,
