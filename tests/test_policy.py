@@ -328,6 +328,16 @@ def test_unobserved_lengths_scale_with_the_observed_ratio():
     assert decayed.obs_w[0] == pytest.approx(0.25) and decayed.cycle_cost(0) == pytest.approx(1.0)
 
 
+def test_swapping_policies_back_does_not_recount_cycles():
+    a, b = CostModelPolicy(CostCurve([1.0, 1.2, 1.4])), CostModelPolicy(CostCurve([1.0, 1.2, 1.4]))
+    req = _Req()
+    for k in range(6):
+        (a if k % 2 == 0 else b)(req, 2)  # a, b, a, b, ...: each sees every completed cycle once
+        req.cycles.append(_Cycle(2, 2))
+    a(req, 2)
+    assert a.pooled.cycles == 6 and b.pooled.cycles == 5
+
+
 def test_cost_curve_validated_on_construction():
     """A curve whose costs are negative or not finite would make some n look free."""
     for bad in (dict(verify_s=[]), dict(verify_s=[1.0, float("nan")]), dict(verify_s=[1.0, -2.0]),

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -343,10 +344,12 @@ class CostModelPolicy(VerifyPolicy):
 
     # statistics ----------------------------------------------------------------------------
     def _state(self, req) -> _RequestState:
-        st = getattr(req, "_verify_policy_state", None)
-        if st is None or getattr(req, "_verify_policy_owner", None) is not self:
-            st = _RequestState(self.half_life)
-            req._verify_policy_state, req._verify_policy_owner = st, self
+        states = getattr(req, "_verify_policy_states", None)  # one state per policy object, so a
+        if states is None:  # policy swapped out and back in does not count the same cycles twice
+            states = req._verify_policy_states = weakref.WeakKeyDictionary()
+        st = states.get(self)
+        if st is None:
+            st = states[self] = _RequestState(self.half_life)
         for c in req.cycles[st.seen:]:  # completed cycles only: never this cycle's draws
             a = max(0, int(c.emitted) - 1)
             st.stats.update(int(c.n), a)
