@@ -91,7 +91,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--verify-policy", default="fixed",
                    help="fixed (verify the whole block) | cost (one verification length per batched "
                         "cycle, priced at the number of running requests; default: fixed)")
-    p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--threads", type=nonneg_int, default=0,
+                   help="torch CPU threads (default 0: torch's default, one per core)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 
