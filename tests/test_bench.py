@@ -394,3 +394,28 @@ def test_verify_policy_reaches_the_drafter_modes(tmp_path, one_thread):
     ar_ids = [r["output_ids"] for r in rows if r["mode"] == "ar" and not r["warmup"]]
     sp_ids = [r["output_ids"] for r in rows if r["mode"] == "dspine" and not r["warmup"]]
     assert ar_ids == sp_ids  # still lossless with the dynamic verification length
+
+
+def test_git_dirty_ignores_the_runs_own_out_dir(tmp_path):
+    """A rerun replaces the committed results in --out; only other changes make the
+    report's build line say "(dirty)"."""
+    import subprocess
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.md").write_text("old\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    assert H.git_dirty(root=tmp_path) is False
+    (tmp_path / "out" / "report.md").write_text("new\n")
+    assert H.git_dirty(root=tmp_path) is True
+    assert H.git_dirty(exclude=tmp_path / "out", root=tmp_path) is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert H.git_dirty(exclude=tmp_path / "out", root=tmp_path) is True
+    assert H.git_dirty(exclude="/elsewhere", root=tmp_path) is True

@@ -192,13 +192,28 @@ def check_rows_fair(rows: list[dict]) -> None:
 
 
 # -- environment ---------------------------------------------------------------------------------
-def _git(*args: str) -> str | None:
-    root = Path(__file__).resolve().parents[3]
+def _git(*args: str, root: Path | None = None) -> str | None:
+    root = root or Path(__file__).resolve().parents[3]
     try:
         p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return p.stdout.strip() if p.returncode == 0 else None
+
+
+def git_dirty(exclude: str | Path | None = None, root: Path | None = None) -> bool | None:
+    """Whether tracked files of the dspine checkout (or of ``root``) differ from its
+    commit (None: not a git checkout). ``exclude``: a directory whose changes do not
+    count (a benchmark's own ``--out``, whose committed results the run replaces)."""
+    root = Path(root).resolve() if root is not None else Path(__file__).resolve().parents[3]
+    args = ["status", "--porcelain", "--untracked-files=no"]
+    if exclude is not None:
+        try:
+            args += ["--", ".", f":(exclude){Path(exclude).resolve().relative_to(root)}"]
+        except ValueError:  # outside the checkout: nothing to exclude
+            pass
+    status = _git(*args, root=root)
+    return bool(status) if status is not None else None
 
 
 def environment(target, cfg: BenchConfig) -> dict:
@@ -214,7 +229,6 @@ def environment(target, cfg: BenchConfig) -> dict:
     except OSError:
         pass
     dev = str(target.device)
-    status = _git("status", "--porcelain", "--untracked-files=no")
     env = {
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "dspine": dspine_version,
@@ -222,7 +236,7 @@ def environment(target, cfg: BenchConfig) -> dict:
         "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
         "dtype": str(target.dtype).replace("torch.", ""), "device": dev,
         "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu,
-        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": git_dirty(),
         "target": target.name, "target_path": target.path,
     }
     return env
@@ -331,6 +345,7 @@ class Harness:
         cfg = self.cfg
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        self.env["git_dirty"] = git_dirty(exclude=out)  # the results this run replaces do not count
         self.run_id = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
         rows: list[dict] = []
         n_req = len(self.prompts) * cfg.repeats * len(cfg.settings)
