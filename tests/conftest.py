@@ -22,6 +22,11 @@ Helper proposers (all subclasses of :class:`dspine.draft.Proposer`):
 from __future__ import annotations
 
 import contextlib
+import os
+
+# measured choices (dspine.tune) stay in memory during tests: no test reads a cache that an
+# earlier run or another machine wrote, and none writes to the user's $DSPINE_HOME/tune
+os.environ.setdefault("DSPINE_TUNE", "off")
 
 import pytest
 import torch

@@ -29,7 +29,8 @@ def tiny_config(**over) -> H.BenchConfig:
     base = dict(target="random:llama", modes=("ar", "dspine", "dflash", "hf", "hf-pld"),
                 drafters={"dspine": "random", "dflash": "random"}, block_size=4, limit=1,
                 max_new_tokens=6, context_tokens=1536, settings=(H.GREEDY, H.SAMPLED), repeats=1,
-                warmup=1, warmup_tokens=3, threads=1, code_timeout_s=5.0)
+                warmup=1, warmup_tokens=3, threads=1, code_timeout_s=5.0,
+                verify_policy="fixed")  # every cycle drafts: the harness's draft/final-stage columns are exercised
     base.update(over)
     return H.BenchConfig(**base)
 

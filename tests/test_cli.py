@@ -194,7 +194,10 @@ def test_generate_notes_ignored_settings(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["generate", "hi", "--threads", "1"], "--threads"),  # generate has no --threads: usage error
+    (["generate", "hi", "--threads", "-1"], "--threads"),
+    (["generate", "hi", "--target", CLI_TARGET, "--drafter", "random", "--head-kernel", "fp4"], "--head-kernel 'fp4'"),
+    (["generate", "hi", "--target", CLI_TARGET, "--linear-backend", "mkl"], "--linear-backend 'mkl'"),
+    (["bench", "--modes", "ar", "--target", CLI_TARGET, "--linear-backend", "mkl"], "--linear-backend 'mkl'"),
     (["generate", "hi", "--target", CLI_TARGET, "--drafter", "random", "--block-size", "100000"], "--block-size"),
     (["generate", "hi", "--target", CLI_TARGET, "--dtype", "int8"], "--dtype int8"),
     (["train", "--data", "d", "--out", "o", "--threads", "-3"], "--threads"),
@@ -295,7 +298,7 @@ def test_interrupted_target_conversion_leaves_no_folder(tmp_path):
 
 @pytest.mark.parametrize("cmd, needles", [
     (["train"], ["--steps STEPS         default: 1000", "(default: 32)", "default: 4"]),
-    (["data", "build"], ["default: 256", "default: bfloat16"]),
+    (["data", "build"], ["default: 256", "default: auto"]),
     (["acceptance"], ["default: 96"]),
     (["serve"], ["(default: 8000)"]),
     (["generate"], ["0 = greedy (default: 0.0)", "--top-k TOP_K 0 = off (default: 0)"]),  # zero defaults too

@@ -345,7 +345,7 @@ def test_cli_parser_registers_data_build():
     data_cli.add_data_parser(sub)
     args = p.parse_args(["data", "build", "--prompts", "stdlib", "sharegpt", "--out", "x", "--resume"])
     assert args.func is data_cli._cmd_build and args.prompts == ["stdlib", "sharegpt"] and args.resume
-    assert args.dtype == "bfloat16" and args.target == "smollm2-135m"
+    assert args.dtype == "auto" and args.target == "smollm2-135m"
 
 
 def test_generate_batch_matches_hf_generate_with_row_dropping(tiny):

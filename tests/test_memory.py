@@ -109,7 +109,7 @@ def test_estimate_matches_measured_real_target():
     160-token prompt, then a few cycles."""
     smol = load_target("smollm2-135m", dtype="float32")
     drafter = random_drafter(smol, window=96, dtype=torch.float32)
-    prop = DrafterProposer(drafter)
+    prop = DrafterProposer(drafter, head_kernel="int8")  # the estimate's default plan
     prompt = (smol.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) * 20)[:160]
     assert len(prompt) == 160
     eng = Engine(smol, prop, "dspine")

@@ -12,9 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import positive_int, seed_int
+from .argtypes import nonneg_int, positive_int, seed_int
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
+#: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
+#: off on this machine (plain target steps where none do), so the default never runs
+#: far slower than ``--mode ar`` (issue 19; docs/decisions.md).
+DEFAULT_VERIFY_POLICY = "cost"
 
 
 def default_drafter_path(target: str, mode: str) -> Path | None:
@@ -25,12 +29,20 @@ def default_drafter_path(target: str, mode: str) -> Path | None:
 
 def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = "float32",
                  block_size: int | None = None, seed: int = 0, device: str = "cpu",
-                 verify_policy: str = "fixed", concurrency: int = 1):
+                 verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
+                 progress: bool = False, persist: bool = False, linear_backend: str = "aten"):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
     the shipped default of the target and mode. ``verify_policy``: ``fixed`` or
-    ``cost`` (:mod:`dspine.policy`). Settings the runtime has not validated are refused
+    ``cost`` (:mod:`dspine.policy`). ``head_kernel``: the drafter's candidate-pass kernel,
+    ``auto`` (measured on this machine, cached) or int8 / bfloat16 / exact
+    (:mod:`dspine.tune.head`). ``progress``: say on stderr when a one-time measurement
+    runs. ``linear_backend``: the target's linear layers, ``aten`` (PyTorch's default),
+    ``onednn`` (pre-packed weights) or ``auto`` (measured, :mod:`dspine.runtime.packed`);
+    every mode of one process gets the same. ``persist``: the cost policy starts from (and can save) the acceptance profile of
+    earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
+    runtime has not validated are refused
     before anything is loaded, and again against the loaded target/drafter
     (:func:`dspine.guards.validate_runtime`).
     Raises:
@@ -51,11 +63,21 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         device = str(resolve_device("auto"))
     validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,
                      verify_policy=verify_policy)  # settings alone, before loading anything
+    from .tune.head import HEAD_KERNELS
+
+    if head_kernel not in ("auto", *HEAD_KERNELS):
+        raise EngineError(f"--head-kernel {head_kernel!r} is unknown; accepted: auto, {', '.join(HEAD_KERNELS)}")
     dt = parse_dtype(dtype)
     guard = dict(dtype=dt, device=device, concurrency=concurrency, verify_policy=verify_policy)
+    from .runtime.packed import LINEAR_BACKENDS, apply_linear_backend
+
+    if linear_backend not in ("auto", *LINEAR_BACKENDS):
+        raise EngineError(f"--linear-backend {linear_backend!r} is unknown; accepted: auto, "
+                          f"{', '.join(LINEAR_BACKENDS)}")
     target = load_target(target_name, dtype=dt, device=device)
     if mode == "ar":
         validate_runtime(target, None, **guard)
+        apply_linear_backend(target, linear_backend, progress=progress)  # after the guards' checks
         return target, Engine(target, None, "ar")
     if drafter is None:
         path = default_drafter_path(target_name, mode)
@@ -72,9 +94,11 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
             raise EngineError(f"--mode {mode} does not match drafter {drafter} "
                               f"(trained as {model.cfg.mode})")
     validate_runtime(target, model.cfg, block_size=block_size, **guard)
+    apply_linear_backend(target, linear_backend, progress=progress)  # after the guards' checks
     with torch.no_grad():
-        proposer = DrafterProposer(model)
-        policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, proposer)
+        proposer = DrafterProposer(model, head_kernel=head_kernel)
+        policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, proposer,
+                                                                   progress=progress, persist=persist)
         return target, Engine(target, proposer, mode, verify_policy=policy)
 
 
@@ -85,11 +109,32 @@ def cmd_generate(args) -> int:
                               min_p=args.min_p, seed=args.seed)  # validated before anything loads
     for note in ignored_settings(args, sampling):
         print(f"dspine: note: {note}", file=sys.stderr)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
-                                  args.seed, args.device, verify_policy=args.verify_policy)
+                                  args.seed, args.device, verify_policy=args.verify_policy or DEFAULT_VERIFY_POLICY,
+                                  head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
+                                  linear_backend=args.linear_backend)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    res = engine.generate(ids, sampling, args.max_new_tokens, stop=args.stop, on_text=stream)
+    bar = None
+    if args.json and not args.no_progress:  # text mode streams; --json shows a bar on stderr
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.max_new_tokens, desc=f"dspine {args.mode}", unit="tok", file=sys.stderr,
+                   mininterval=1.0, leave=False, dynamic_ncols=True)
+
+    def on_cycle(req):
+        bar.update(len(req.out_ids) - bar.n)
+    try:
+        res = engine.generate(ids, sampling, args.max_new_tokens, stop=args.stop, on_text=stream,
+                              on_cycle=on_cycle if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    _save_profile(engine)
     if args.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "mode": res.mode,
                           "finish_reason": res.finish_reason, "target": args.target,
@@ -102,6 +147,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _save_profile(engine) -> None:
+    """Save the cost policy's acceptance profile for the next run (when it has a key)."""
+    pol = getattr(engine, "verify_policy", None)
+    key = getattr(pol, "profile_key", None)
+    if key is not None:
+        try:
+            pol.save_profile(key, str(engine.target.device))
+        except OSError as e:  # a read-only cache must not fail a finished generation
+            print(f"dspine: note: could not save the acceptance profile ({e})", file=sys.stderr)
+
+
 def ignored_settings(args, sampling) -> list[str]:
     """Notes for options that have no effect with the others given (as HF generate warns)."""
     notes = []
@@ -112,7 +168,7 @@ def ignored_settings(args, sampling) -> list[str]:
             notes.append(f"{', '.join(set_)} ignored: --temperature 0 is greedy decoding")
     if args.mode == "ar" and (args.drafter is not None or args.block_size is not None):
         notes.append("--drafter / --block-size ignored: --mode ar runs the target alone")
-    if args.mode == "ar" and getattr(args, "verify_policy", "fixed") != "fixed":
+    if args.mode == "ar" and getattr(args, "verify_policy", None) not in (None, "fixed"):
         notes.append(f"--verify-policy {args.verify_policy} ignored: --mode ar verifies no drafted tokens")
     return notes
 
@@ -135,9 +191,20 @@ def add_generate_parser(sub) -> None:
                    help="must equal the drafter checkpoint's (default: the checkpoint's; 16 for --drafter random)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
-    p.add_argument("--verify-policy", default="fixed",
-                   help="fixed (verify the whole block) | cost (choose n per cycle by measured cost "
-                        "and past acceptance; non-anticipating)")
+    p.add_argument("--verify-policy", default=None,
+                   help="cost (default: choose n per cycle by measured cost and past acceptance, down to "
+                        "plain target steps when drafting does not pay on this machine; non-anticipating, "
+                        "so sampling stays exact) | fixed (verify the whole block every cycle)")
+    p.add_argument("--head-kernel", default="auto",
+                   help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
+                        "`dspine tune` shows the table) | int8 | bfloat16 | exact")
+    p.add_argument("--linear-backend", default="auto",
+                   help="the target's linear layers: auto (the faster of the two measured on this machine, "
+                        "cached) | aten (PyTorch's default) | onednn (weights pre-packed once; CPU)")
+    p.add_argument("--threads", type=nonneg_int, default=0,
+                   help="torch CPU threads (0 = torch's own default, every core)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar or measurement notes on stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     p.set_defaults(func=cmd_generate)
 
@@ -148,7 +215,7 @@ def _optional_parsers(sub) -> None:
 
     for mod, fn in (("dspine.data.cli", "add_data_parser"), ("dspine.train.cli", "add_train_parser"),
                     ("dspine.bench.cli", "add_bench_parser"), ("dspine.serve.cli", "add_serve_parser"),
-                    ("dspine.memory", "add_memory_parser")):
+                    ("dspine.memory", "add_memory_parser"), ("dspine.tune.cli", "add_tune_parser")):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
@@ -196,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
 
+    from . import __version__
+
     parser = _Parser(prog="dspine", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dspine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     _optional_parsers(sub)

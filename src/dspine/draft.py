@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, DSpineConfig, SamplingConfig
-from .final_stage import QuantizedHead, candidates, chain, conditional_tables, parallel_argmax
+from .final_stage import candidates, chain, conditional_tables, parallel_argmax
 from .model import DSpineDrafter
 from .sampling import filter_probs, sample_index, uniform
 
@@ -126,17 +126,33 @@ class Proposer:
 class DrafterProposer(Proposer):
     """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
 
-    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True):
-        """``use_quantized_head``: candidates from the int8/fp8 coarse head (DSpine's final
-        stage, and the DFlash-style greedy argmax). False is the reference path: exact
-        head over the full vocabulary. Sampled DFlash-style proposals always use the
-        dense filtered q over all V tokens (spec section 10).
+    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True, head_kernel: str = "auto"):
+        """``use_quantized_head``: candidates from a coarse pass over the head followed by
+        exact rescoring (DSpine's final stage, and the DFlash-style greedy argmax). False
+        is the reference path: exact head over the full vocabulary. ``head_kernel``: the
+        coarse pass's kernel, ``auto`` (measured per row count on this machine and cached,
+        :mod:`dspine.tune.head`) or ``int8`` / ``bfloat16`` / ``exact``. Sampled
+        DFlash-style proposals always use the dense filtered q over all V tokens (spec
+        section 10).
+
+        Raises:
+            ValueError: unknown ``head_kernel`` (naming ``--head-kernel``).
         """
+        from .tune.head import plan_candidate_pass
+
         self.drafter = drafter.eval()
         self.cfg = drafter.cfg
         self.block_size = self.cfg.block_size
         self.feature_layers = list(self.cfg.feature_layers)
-        self.qhead = QuantizedHead(drafter.head) if use_quantized_head else None
+        self.qhead = (plan_candidate_pass(drafter.head, drafter.fc.weight.dtype, head_kernel)
+                      if use_quantized_head else None)
+
+    def kernel_info(self) -> dict:
+        """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
+        kernel per row bucket, or ``exact-reference`` without a coarse pass."""
+        if self.qhead is None:
+            return {"candidate_pass": "exact-reference"}
+        return {"candidate_pass": self.qhead.describe()["kernels"]}
 
     def new_state(self, prompt_ids):
         return DraftContextCache(self.cfg.num_layers, self.cfg.window)

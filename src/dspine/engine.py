@@ -72,6 +72,9 @@ class GenerationStats:
     verify_s: float = 0.0
     peak_memory_bytes: int = 0
     verification_lengths: list[int] = field(default_factory=list)
+    # what ran: target dtype and threads, the verification policy, the drafter's
+    # candidate-pass kernel per row bucket (measured choices, dspine.tune)
+    kernels: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -300,10 +303,12 @@ class Engine:
     # -- whole generation ----------------------------------------------------------------
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
                  max_new_tokens: int = 128, stop: list[str] | None = None,
-                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                 on_text: Callable[[str], None] | None = None,
+                 on_cycle: Callable[[Request], None] | None = None) -> GenerationResult:
         """Generate for one prompt until EOS, a stop string or ``max_new_tokens``.
 
-        ``on_text`` receives text deltas as they become final (streaming).
+        ``on_text`` receives text deltas as they become final (streaming); ``on_cycle``
+        is called with the request after every cycle (progress display).
         """
         req = self.start(prompt_ids, sampling, max_new_tokens, stop)
         shown = 0
@@ -320,7 +325,20 @@ class Engine:
             if req.finished:
                 break
             self.step(req)
+            if on_cycle is not None:
+                on_cycle(req)
         return self.result(req)
+
+    def kernel_info(self) -> dict:
+        """What this engine runs: target dtype, device and threads, the verification
+        policy, and the proposer's kernels (``Proposer.kernel_info`` when it has one)."""
+        info = {"target_dtype": str(self.target.dtype).replace("torch.", ""),
+                "linear_backend": getattr(self.target, "linear_backend", "aten"),
+                "device": str(self.target.device), "threads": torch.get_num_threads(),
+                "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None}
+        if self.proposer is not None and hasattr(self.proposer, "kernel_info"):
+            info.update(self.proposer.kernel_info())
+        return info
 
     def result(self, req: Request) -> GenerationResult:
         """Collect text, ids and :class:`GenerationStats` of a finished request."""
@@ -338,5 +356,6 @@ class Engine:
         st.verify_s = sum(c.verify_s for c in req.cycles)
         st.peak_memory_bytes = _peak_memory_bytes(self.target.device)
         st.verification_lengths = [c.n for c in req.cycles]
+        st.kernels = self.kernel_info()
         return GenerationResult(self.text_of(req), list(req.out_ids), self.mode,
                                 req.finish_reason or "length", st)

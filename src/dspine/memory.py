@@ -286,8 +286,13 @@ class MemoryReport:
 
 def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
              dtype: str = "bfloat16", target_dtype: str | None = None,
-             profile: str = "") -> MemoryReport:
+             profile: str = "", head_kernels: tuple[str, ...] = ("int8",)) -> MemoryReport:
     """Footprint of drafter ``cfg`` (+ ``target``) in ``dtype``.
+
+    ``head_kernels``: the candidate-pass kernels a run keeps (:mod:`dspine.tune.head`;
+    measured per machine, ``dspine tune`` shows them): ``int8`` holds a V x d int8 copy
+    of the head plus scales (the spec's quantized pass), ``bfloat16`` a bf16 copy,
+    ``exact`` none.
 
     Args:
         target: None, a name/path, a loaded Target or a :class:`TargetSpec`.
@@ -321,9 +326,13 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
         rows.append(Row("greedy_tables", f"greedy lookup tables [{V}, {dm}] + [{V}, {2 * dm}]",
                         V * 3 * dm * s, "dspine scores exact conditional tables instead", layout="release"))
     # both modes: the candidate pass of the final stage / the DFlash-style argmax
-    rows.append(Row("quantized_head", f"quantized coarse head copy [{V}, {d}] int8/fp8", V * d,
-                    "+ scales below"))
-    rows.append(Row("quantized_head_scales", f"coarse head row scales [{V}] float32", V * 4, indent=1))
+    if "int8" in head_kernels:
+        rows.append(Row("quantized_head", f"quantized coarse head copy [{V}, {d}] int8/fp8", V * d,
+                        "+ scales below"))
+        rows.append(Row("quantized_head_scales", f"coarse head row scales [{V}] float32", V * 4, indent=1))
+    if "bfloat16" in head_kernels:
+        rows.append(Row("bf16_head", f"bfloat16 coarse head copy [{V}, {d}]", V * d * 2,
+                        "candidate pass measured fastest in bf16 at some row counts"))
     per = draft_kv_bytes_per_position(cfg, s)
     W = cfg.window
     ring = ring_buffer_positions(context, W)

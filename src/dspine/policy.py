@@ -40,6 +40,7 @@ while the verifier still divides by q, which biases the output.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -165,19 +166,39 @@ def _interp(points: dict[int, float], n_max: int) -> list[float]:
 
 @torch.no_grad()
 def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repeats: int = 3,
-                 use_cache: bool = True) -> CostCurve:
+                 use_cache: bool = True, progress: bool = False) -> CostCurve:
     """Measure the cycle cost curve of ``target`` (+ ``proposer``) once and cache it.
 
     Runs target forwards of n+1 tokens after a ``context``-token prefix at a few n,
     and proposals of n tokens at the same n >= 1 (each the median of ``repeats`` after a
-    warm-up; other n interpolated by a monotone fit). The cache key is (target,
-    drafter, device, dtype, n_max).
+    warm-up; other n interpolated by a monotone fit). Cached in memory per loaded
+    (target, drafter, device, dtype, n_max) and on disk (:mod:`dspine.tune.store`, per
+    machine) for targets and drafters loaded by name, keyed by their shapes, the
+    candidate-pass kernels and the settings, so a later run skips the measurement.
+    ``progress``: say on stderr that a measurement is running.
     """
     drafter = getattr(proposer, "drafter", None)
     key = (id(target.model), target.name, str(target.device), str(target.dtype), n_max,
            id(drafter) if drafter is not None else id(proposer), context)
     if use_cache and key in _COST_CACHE:
         return _COST_CACHE[key]
+    disk_key = _disk_key(target, proposer, n_max, context, repeats) if use_cache else None
+    if disk_key is not None:
+        from .tune import store
+
+        hit = store.get(disk_key, str(target.device))
+        if hit is not None:
+            try:
+                curve = CostCurve.from_dict(hit["curve"])
+                _COST_CACHE[key] = curve
+                return curve
+            except (KeyError, TypeError, ValueError):
+                pass  # an unreadable entry is measured again
+    if progress:
+        import sys
+
+        print("dspine: measuring the cycle cost curve on this machine (once per target, drafter, dtype; "
+              "cached) ...", file=sys.stderr, flush=True)
     from .config import SamplingConfig
 
     V = target.vocab_size
@@ -224,7 +245,28 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
                       propose_s=propose_s)
     if use_cache:
         _COST_CACHE[key] = curve
+        if disk_key is not None:
+            from .tune import store
+
+            store.put(disk_key, {"curve": curve.to_dict()}, str(target.device))
     return curve
+
+
+def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str | None:
+    """Key of a cost curve in the per-machine tune cache, or None when the target or the
+    proposer cannot be named by shape (a test's ad-hoc proposer: measure every time)."""
+    import hashlib
+
+    drafter = getattr(proposer, "drafter", None)
+    if proposer is not None and drafter is None:
+        return None
+    cfg = getattr(target, "config", None)
+    parts = [target.name, str(target.dtype), str(target.device), n_max, context, repeats,
+             getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None), target.vocab_size]
+    if drafter is not None:
+        parts += [drafter.cfg.to_json(), json.dumps(proposer.kernel_info(), sort_keys=True)
+                  if hasattr(proposer, "kernel_info") else ""]
+    return "cost:" + hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
 # -- acceptance statistics ----------------------------------------------------------------------
@@ -263,11 +305,12 @@ class AcceptanceStats:
 
 
 class _RequestState:
-    __slots__ = ("stats", "seen")
+    __slots__ = ("stats", "seen", "last_explore")
 
     def __init__(self, half_life: float):
         self.stats = AcceptanceStats(half_life)
         self.seen = 0  # req.cycles consumed
+        self.last_explore = 0  # req.cycles consumed when n_max was last explored
 
 
 class CostModelPolicy(VerifyPolicy):
@@ -281,7 +324,8 @@ class CostModelPolicy(VerifyPolicy):
         global_half_life: decay of the statistics pooled over requests.
         global_weight_cap: at most this many pseudo-cycles of pooled statistics act as
             the prior of a request (so a request's own behaviour takes over quickly).
-        explore_every: every this many cycles of a request, verify ``n_max`` whatever
+        explore_every: every this many cycles of a request (times the cost ratio of an
+            ``n_max`` cycle to the chosen one, :meth:`explore_period`), verify ``n_max`` whatever
             the estimate says, so positions a short n never reaches keep being measured
             (0: never); half-way between, a plain step (n = 0) when its observed cost has
             decayed away. The choice depends on the cycle count and on completed cycles
@@ -314,6 +358,7 @@ class CostModelPolicy(VerifyPolicy):
         self.cost_decay = 0.5 ** (1.0 / cost_half_life) if cost_half_life and math.isfinite(cost_half_life) else 1.0
         self.obs_sum = [0.0] * (cost.n_max + 1)  # decayed sum of measured cycle times (s) per n
         self.obs_w = [0.0] * (cost.n_max + 1)  # decayed count per n
+        self.profile_key: str | None = None  # set by make_policy(persist=True)
 
     # cycle cost ----------------------------------------------------------------------------
     def observe(self, n: int, seconds: float) -> None:
@@ -392,25 +437,89 @@ class CostModelPolicy(VerifyPolicy):
                 best, best_rate = n, rate
         return best
 
+    # persisted profile ---------------------------------------------------------------------
+    PROFILE_CYCLES = 64.0  # a loaded profile weighs at most this many cycles
+
+    def load_profile(self, key: str, device: str = "cpu") -> bool:
+        """Start from the pooled acceptance statistics and observed cycle costs that an
+        earlier run of the same target and drafter on this machine saved under ``key``
+        (:meth:`save_profile`), scaled down to at most :attr:`PROFILE_CYCLES` cycles, so a
+        new process does not pay again to learn what drafting is worth here. Returns
+        True when a profile was loaded. A damaged entry is ignored."""
+        from .tune import store
+
+        e = store.get(key, device)
+        try:
+            risk, acc = [float(x) for x in e["risk"]], [float(x) for x in e["acc"]]
+            obs_sum, obs_w = [float(x) for x in e["obs_sum"]], [float(x) for x in e["obs_w"]]
+        except (TypeError, KeyError, ValueError):
+            return False
+        if len(risk) != len(acc) or len(obs_sum) != len(self.obs_sum) or len(obs_w) != len(self.obs_w) \
+                or any(not (math.isfinite(v) and v >= 0) for v in risk + acc + obs_sum + obs_w) \
+                or any(a > r + 1e-9 for a, r in zip(acc, risk)):
+            return False
+        k = min(1.0, self.PROFILE_CYCLES / max(risk[0] if risk else 0.0, 1e-9))
+        self.pooled.risk, self.pooled.acc = [r * k for r in risk], [a * k for a in acc]
+        kw = min(1.0, 8.0 / max(max(obs_w, default=0.0), 1e-9))  # costs: a few cycles' weight
+        self.obs_sum, self.obs_w = [x * kw for x in obs_sum], [w * kw for w in obs_w]
+        return True
+
+    def save_profile(self, key: str, device: str = "cpu") -> None:
+        """Save the pooled acceptance statistics and observed cycle costs under ``key``."""
+        from .tune import store
+
+        store.put(key, {"risk": self.pooled.risk, "acc": self.pooled.acc, "obs_sum": self.obs_sum,
+                        "obs_w": self.obs_w, "cycles": self.pooled.cycles}, device)
+
+    def explore_period(self, chosen: int, n_max: int) -> int:
+        """Cycles between explorations of ``n_max``: ``explore_every`` times the cost ratio
+        of an ``n_max`` cycle to the chosen one, so exploring stays a bounded share of the
+        decode time however expensive a full block is on this machine (a 16-token
+        verification costs ~1.3 plain steps on some CPUs and ~2.8 on others)."""
+        c = self.cycle_cost(chosen)
+        ratio = self.cycle_cost(n_max) / c if c > 0 else 1.0
+        return max(self.explore_every, math.ceil(self.explore_every * max(1.0, ratio)))
+
     def __call__(self, req, n_max: int) -> int:
         st = self._state(req)
         e = self.explore_every
-        if e and st.seen % e == e - 1:
+        n = self.choose(self.confidence(st.stats, n_max), n_max)
+        if e and n < n_max and st.seen - st.last_explore >= self.explore_period(n, n_max):
             n = n_max
+            st.last_explore = st.seen
         elif e and st.seen % e == e // 2 - 1 and any(self.obs_w) and self.obs_w[0] < 0.5:
             n = 0  # probe a plain step: its observed cost decayed away (or was never seen)
-        else:
-            n = self.choose(self.confidence(st.stats, n_max), n_max)
         self.decisions.append(n)
         if len(self.decisions) > self.MAX_DECISIONS:  # a server runs for days: keep it bounded
             del self.decisions[: len(self.decisions) - self.MAX_DECISIONS // 2]
         return n
 
 
+def profile_key(target, proposer) -> str | None:
+    """Key of the persisted acceptance profile of ``target`` + ``proposer`` (a digest of
+    the drafter's config and weights, the target's name and dtype), or None for
+    proposers without a drafter."""
+    import hashlib
+
+    drafter = getattr(proposer, "drafter", None)
+    if drafter is None:
+        return None
+    h = hashlib.sha256(drafter.cfg.to_json().encode())
+    h.update(f"{target.name}|{target.dtype}|{target.vocab_size}".encode())
+    with torch.no_grad():
+        for name, p in sorted(drafter.named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().flatten()[:256].float().cpu().numpy().tobytes())
+    return "profile:" + h.hexdigest()[:20]
+
+
 def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
-                cost: CostCurve | None = None) -> VerifyPolicy:
+                cost: CostCurve | None = None, progress: bool = False, persist: bool = False) -> VerifyPolicy:
     """Build a policy by name: ``fixed`` or ``cost`` (measures the cost curve of
-    ``target`` + ``proposer`` unless ``cost`` is given).
+    ``target`` + ``proposer`` unless ``cost`` is given). ``persist``: the cost policy
+    starts from the acceptance profile saved by an earlier run on this machine
+    (:meth:`CostModelPolicy.load_profile`) and remembers its key (``profile_key``) so
+    the caller can :meth:`~CostModelPolicy.save_profile` at the end.
 
     Raises:
         ValueError: unknown name (naming ``--verify-policy`` and the accepted values).
@@ -423,6 +532,10 @@ def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
                 raise ValueError("--verify-policy cost needs a target to measure the cost curve")
             if n_max is None:
                 n_max = (getattr(proposer, "block_size", 16) - 1) if proposer is not None else 0
-            cost = measure_cost(target, proposer, n_max=n_max)
-        return CostModelPolicy(cost)
+            cost = measure_cost(target, proposer, n_max=n_max, progress=progress)
+        pol = CostModelPolicy(cost)
+        pol.profile_key = profile_key(target, proposer) if persist and target is not None else None
+        if pol.profile_key is not None:
+            pol.load_profile(pol.profile_key, str(target.device))
+        return pol
     raise ValueError(f"--verify-policy {name!r} is unknown; accepted: {', '.join(POLICIES)}")

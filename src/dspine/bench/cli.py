@@ -59,6 +59,7 @@ def config_from_args(args) -> BenchConfig:
         target=args.target, dtype=args.dtype, device=args.device, threads=args.threads,
         modes=parse_modes(args.modes) if args.modes else None, drafters=drafters or None,
         block_size=args.block_size, pld_tokens=args.pld_tokens, verify_policy=args.verify_policy,
+        linear_backend=args.linear_backend,
         workloads=tuple(parse_workloads(args.workloads)) if args.workloads else None,
         limit=args.limit, max_new_tokens=args.max_new_tokens, context_tokens=args.context_tokens,
         settings=_settings(args) if args.settings else None, repeats=args.repeats, warmup=args.warmup,
@@ -105,7 +106,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter-dspine", default=None, help="dspine checkpoint dir or 'random' (default: shipped)")
     p.add_argument("--drafter-dflash", default=None, help="dflash checkpoint dir or 'random' (default: shipped)")
     p.add_argument("--verify-policy", default=None, choices=["fixed", "cost"],
-                   help="verification-length policy of dflash/dspine (default fixed)")
+                   help="verification-length policy of dflash/dspine (default cost, as generate and serve)")
+    p.add_argument("--linear-backend", default=None,
+                   help="the target's linear layers for every mode (hf and hf-pld included): auto (default; "
+                        "measured on this machine, cached) | aten | onednn")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
     p.add_argument("--pld-tokens", type=positive_int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
     p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools or all (default all)")
@@ -120,7 +124,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=None, help="repeats per prompt (default 3; smoke 1)")
     p.add_argument("--warmup", type=nonneg_int, default=None, help="warm-up runs per mode and setting (default 1)")
     p.add_argument("--seed", type=seed_int, default=None, help="seed of the sampled settings and of random drafters; repeat r uses seed + r (default 0)")
-    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600; smoke 300)")
     p.add_argument("--code-timeout", type=float, default=None, help="seconds per HumanEval test run (default 10)")
     p.add_argument("--concurrency", default=None,
                    help="levels like 1 or 1,4 (default 1; above 1 needs the batched engine dspine.batch)")

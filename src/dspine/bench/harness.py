@@ -71,7 +71,8 @@ class BenchConfig:
     drafters: dict = field(default_factory=dict)  # mode -> checkpoint dir | "random"
     block_size: int | None = None  # random drafters only
     pld_tokens: int = 10
-    verify_policy: str = "fixed"  # verification-length policy of the drafter modes
+    verify_policy: str = "cost"  # verification-length policy of the drafter modes (issue 19)
+    linear_backend: str = "auto"  # the shared target's linears (dspine.runtime.packed), every mode alike
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
     max_new_tokens: int | None = None
@@ -92,13 +93,18 @@ class BenchConfig:
         return d
 
 
+#: Per-request timeout of ``--smoke`` (16 tokens): generous, because a slow CPU or a busy
+#: machine must not fail the smoke run; ``--request-timeout`` overrides it.
+SMOKE_TIMEOUT_S = 300.0
+
+
 def smoke_config(**overrides) -> BenchConfig:
     """The ``--smoke`` run: real default target, 1 prompt per workload, 16 new tokens,
     greedy, ar + dspine + dflash (the shipped drafters at their block size; random ones at
     block size 16 when none is shipped) + hf-pld, one thread."""
     base = dict(modes=("ar", "dspine", "dflash", "hf-pld"), limit=1, max_new_tokens=16,
                 settings=(GREEDY,), repeats=1, warmup=1, warmup_tokens=4, context_tokens=512,
-                threads=1, block_size=None, request_timeout_s=60.0, smoke=True)
+                threads=1, block_size=None, request_timeout_s=SMOKE_TIMEOUT_S, smoke=True)
     base.update(overrides)
     return BenchConfig(**base)
 
@@ -221,6 +227,7 @@ def environment(target, cfg: BenchConfig) -> dict:
     import transformers
 
     from .. import __version__ as dspine_version
+    from ..tune.machine import isa_class
 
     cpu = platform.processor()
     try:
@@ -238,6 +245,8 @@ def environment(target, cfg: BenchConfig) -> dict:
         "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu,
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": git_dirty(),
         "target": target.name, "target_path": target.path,
+        "isa": isa_class(), "linear_backend": getattr(target, "linear_backend", "aten"),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     return env
 
@@ -256,6 +265,11 @@ def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
     if prompt.workload == "multifile":
         return {"check": check_multifile(text, prompt.meta)["result"], "check_error": None}
     return {}
+
+
+def progress_notes() -> bool:
+    """One-time measurement notes on stderr (off under pytest's capture, harmless anyway)."""
+    return True
 
 
 class Harness:
@@ -286,7 +300,14 @@ class Harness:
                                    or str(target.dtype).replace("torch.", "") != cfg.dtype):
             raise UnfairComparisonError(f"the preloaded target ({target.name}, {target.dtype}) is not the "
                                         f"configured one ({cfg.target}, {cfg.dtype})")
+        from ..runtime.packed import LINEAR_BACKENDS, apply_linear_backend
+
+        if cfg.linear_backend not in ("auto", *LINEAR_BACKENDS):
+            raise BenchError(f"--linear-backend {cfg.linear_backend!r} is unknown; accepted: auto, "
+                             f"{', '.join(LINEAR_BACKENDS)}")
         self.target = target if target is not None else load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+        if target is None or cfg.linear_backend != "auto":  # one backend for every mode (a fair run)
+            apply_linear_backend(self.target, cfg.linear_backend, progress=progress_notes())
         self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,
                                     cfg.verify_policy)
                         for m in cfg.modes}

@@ -266,8 +266,12 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                          f"min-p {s['min_p']})" for s in cfg.get("settings", []))
     for k, v in [("target", f"{env.get('target')} ({env.get('target_path')})"),
                  ("weights fingerprint", (summary.get("setup") or {}).get("weights")),
-                 ("dtype / device", f"{env.get('dtype')} / {env.get('device')} ({env.get('device_name')})"),
-                 ("threads", f"{env.get('torch_threads')} torch ({env.get('cpu_count')} CPUs)"),
+                 ("dtype / device", f"{env.get('dtype')} / {env.get('device')} ({env.get('device_name')}"
+                                    f"{', ' + env['isa'] if env.get('isa') else ''})"),
+                 ("target linear backend", env.get("linear_backend", "aten")),
+                 ("threads", f"{env.get('torch_threads')} torch ({env.get('cpu_count')} CPUs)"
+                             + (f", load average {env['load_avg_1m']:.2f} at start"
+                                if env.get("load_avg_1m") is not None else "")),
                  ("build", f"dspine {env.get('dspine')} @ {str(env.get('git_commit'))[:10]}"
                            f"{' (dirty)' if env.get('git_dirty') else ''}, torch {env.get('torch')}, "
                            f"transformers {env.get('transformers')}, Python {env.get('python')}"),

@@ -427,7 +427,7 @@ def make_runner(target, mode: str, drafters: dict, block_size: int | None, seed:
         if mode != "ar" and verify_policy != "fixed":
             from ..policy import make_policy
 
-            r.engine.verify_policy = make_policy(verify_policy, target, r.engine.proposer)
+            r.engine.verify_policy = make_policy(verify_policy, target, r.engine.proposer, progress=True)
         r.verify_policy = verify_policy if mode != "ar" else "fixed"
         return r
     if mode in HF_MODES:

@@ -160,6 +160,24 @@ def _check_resume_settings(out: Path, man: dict, settings: dict) -> None:
                              f"{old[key]!r} or use another --out")
 
 
+def _auto_dtype(target: str, out_dir, resume: bool, batch_size: int, progress: bool) -> str:
+    """``--dtype auto``: the dtype of the rows already in ``out_dir`` when resuming (rows
+    must not mix dtypes), else the faster of float32 / bfloat16 for a batched decode step
+    measured on this machine (:func:`dspine.tune.dtype.choose_forward_dtype`, cached)."""
+    man = read_manifest(Path(out_dir)) if resume and Path(out_dir).is_dir() else None
+    old = (man or {}).get("sampling", {}).get("dtype")
+    if old in ("float32", "bfloat16", "float16"):
+        return old
+    from ..tune.dtype import choose_forward_dtype
+
+    probe = load_target(target, dtype="float32")
+    c = choose_forward_dtype(probe, batch_size, 64, True, progress=progress)
+    if progress:
+        print(f"dspine data build: --dtype auto -> {c.chosen} ({c.reason})", file=sys.stderr, flush=True)
+    del probe
+    return c.chosen
+
+
 def _lock_dir(out: Path):
     """Take an exclusive lock on ``out/.lock`` so two builds never append to one directory.
 
@@ -233,6 +251,8 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory")
     iters = [iter(training_prompts(s)) for s in sources]
+    if dtype == "auto" and not isinstance(target, Target):
+        dtype = _auto_dtype(target, out_dir, resume, batch_size, progress)
     tgt: Target = target if isinstance(target, Target) else load_target(target, dtype=dtype)
     fp = tokenizer_fingerprint(tgt.tokenizer)
     out = Path(out_dir)

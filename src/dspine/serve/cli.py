@@ -32,13 +32,17 @@ def cmd_serve(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    if args.mode == "ar" and args.verify_policy != "fixed":
+    from ..cli import DEFAULT_VERIFY_POLICY
+
+    if args.mode == "ar" and args.verify_policy not in (None, "fixed"):
         print(f"dspine serve: note: --verify-policy {args.verify_policy} ignored: --mode ar verifies "
               f"no drafted tokens", file=sys.stderr, flush=True)
+    args.verify_policy = args.verify_policy or DEFAULT_VERIFY_POLICY
     sock = bind_socket(args.host, args.port)  # fail fast, before loading models
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy,
-                                  concurrency=args.max_running)
+                                  concurrency=args.max_running, head_kernel=args.head_kernel, progress=True,
+                                  persist=True, linear_backend=args.linear_backend)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
@@ -64,6 +68,9 @@ def cmd_serve(args) -> int:
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
+    from ..cli import _save_profile
+
+    _save_profile(engine)
     c = app.state.scheduler.counters()
     print(f"dspine serve: stopped ({c['cycles']} cycles; running {c['running']}, queued {c['queued']})",
           flush=True)
@@ -88,9 +95,15 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=nonneg_float, default=30.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM; those still "
                         "running then get a 503")
-    p.add_argument("--verify-policy", default="fixed",
-                   help="fixed (verify the whole block) | cost (one verification length per batched "
-                        "cycle, priced at the number of running requests; default: fixed)")
+    p.add_argument("--verify-policy", default=None,
+                   help="cost (default: one verification length per batched cycle, priced at the number "
+                        "of running requests; plain batched steps when drafting does not pay) | fixed "
+                        "(verify the whole block)")
+    p.add_argument("--linear-backend", default="auto",
+                   help="the target's linear layers: auto (measured on this machine, cached) | aten | onednn")
+    p.add_argument("--head-kernel", default="auto",
+                   help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
+                        "int8 | bfloat16 | exact")
     p.add_argument("--threads", type=nonneg_int, default=0,
                    help="torch CPU threads (default 0: torch's default, one per core)")
     p.add_argument("--log-level", default="warning")

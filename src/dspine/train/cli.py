@@ -210,6 +210,13 @@ def cmd_train(args) -> int:
     target = load_target(args.target, dtype="float32", device=str(device))
     seqs = _training_seqs(args.data, target, args.max_len)
     cfg = _drafter_config(args, target)
+    if args.feature_dtype == "auto":  # a feature store holds bfloat16 features
+        from ..tune.dtype import resolve_dtype
+
+        args.feature_dtype = "bfloat16" if args.feature_store else resolve_dtype(
+            "auto", target, args.batch_size, min(args.max_len, 128), False, progress=rank == 0)
+        if rank == 0:
+            print(f"--feature-dtype auto -> {args.feature_dtype}", file=sys.stderr, flush=True)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                      max_len=args.max_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup=args.warmup,
                      seed=args.seed, save_every=args.save_every,
@@ -325,7 +332,7 @@ def cmd_train_features(args) -> int:
         raise ValueError(f"--feature-layers {bad} do not exist in target {target.name!r} ({target.num_layers} layers)")
     seqs = _training_seqs(args.data, target)
     wrote = build_feature_store(target, layers, seqs, args.max_len, args.out, k, n, args.batch_size,
-                                reuse=args.reuse)
+                                reuse=args.reuse, compute_dtype=args.compute_dtype)
     print(json.dumps({"out": args.out, "shard": args.shard, "written": wrote, "sequences": len(seqs)}))
     return 0
 
@@ -369,7 +376,9 @@ def add_train_parser(sub) -> None:
                    help="the cosine schedule ends at this fraction of --lr (0 = decay to zero)")
     p.add_argument("--warmup", type=nonneg_int, default=50)
     p.add_argument("--vocab-subset", type=nonneg_int, default=8192, help="CE over the N most frequent tokens (0 = all)")
-    p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--feature-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="dtype the target computes training features in; auto: bfloat16 with "
+                        "--feature-store, else the faster of the two measured on this machine (cached)")
     p.add_argument("--no-memo-features", action="store_true",
                    help="recompute target features every time (default: keep them in RAM once computed)")
     p.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=None,
@@ -401,6 +410,9 @@ def add_train_parser(sub) -> None:
                    help="older feature stores of the same target/layers/max-len: copy the rows of "
                         "sequences they hold instead of recomputing (after growing the data)")
     f.add_argument("--threads", type=nonneg_int, default=0)
+    f.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="dtype the target runs in (rows are stored in bfloat16 either way); auto: the "
+                        "faster of the two measured on this machine (cached)")
     f.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     f.set_defaults(func=cmd_train_features)
 

@@ -215,14 +215,16 @@ class _Reuse:
 @torch.no_grad()
 def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | Path, shard: int = 0,
                         num_shards: int = 1, batch_size: int = 4, progress: bool = True,
-                        reuse: list[str | Path] | None = None) -> int:
+                        reuse: list[str | Path] | None = None, compute_dtype: str = "auto") -> int:
     """Compute features of the sequences ``i % num_shards == shard`` into ``out``.
 
     Resumable: sequences already indexed in any shard are skipped (so the shard count
     may change between runs); a torn index tail or rows written after the last indexed
     sequence are dropped. Returns the number of sequences written now (computed or
-    reused). The target runs in bfloat16 with the same forward as online training
-    features (teacher forcing, ``hidden_states[l + 1]`` of each feature layer).
+    reused). The target runs in ``compute_dtype`` (``auto``: the faster of float32 /
+    bfloat16 measured on this machine, :mod:`dspine.tune.dtype`) with the same forward
+    as online training features (teacher forcing, ``hidden_states[l + 1]`` of each
+    feature layer); rows are stored in bfloat16 either way.
     ``reuse``: older store directories (same target, layers, width, max_len); rows of a
     sequence with the same token ids (:func:`seq_hash`) are copied, not recomputed.
 
@@ -282,9 +284,14 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
     todo = [i for i in range(len(seqs)) if i % num_shards == shard and canon[i] == i and i not in done]
     todo.sort(key=lambda i: len(seqs[i][0]))  # similar lengths per batch: less padding
     copied = 0
-    if target.dtype != torch.bfloat16:
-        target.model.to(torch.bfloat16)
-        target.dtype = torch.bfloat16
+    if compute_dtype == "auto" and todo:
+        from ..tune.dtype import resolve_dtype
+
+        compute_dtype = resolve_dtype("auto", target, batch_size, min(max_len, 128), False, progress=progress)
+    cdt = getattr(torch, compute_dtype) if compute_dtype != "auto" else target.dtype
+    if target.dtype != cdt:
+        target.model.to(cdt)
+        target.dtype = cdt
     bar = tqdm(total=len(todo), desc=f"features shard {shard}/{num_shards}", disable=not progress)
     with open(binf, "ab") as fb, open(idxf, "a") as fi, cpu_speed_patches(target.model):
         if old is not None:

@@ -206,9 +206,11 @@ class Trainer:
 
     # settings added after checkpoints were written: what those checkpoints trained with
     LEGACY_DEFAULTS = {"min_lr_ratio": 0.1}
-    # settings a resumed run may change (how long, how often to save / evaluate, where)
+    # settings a resumed run may change (how long, how often to save / evaluate, where, and
+    # the dtype the target computes features in: a speed choice measured per machine,
+    # `--feature-dtype auto`, that must not stop a run moved to another CPU)
     _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
-                  "memo_features", "device"}
+                  "memo_features", "device", "feature_dtype"}
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
               "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup",
               "vocab_subset": "--vocab-subset", "seed": "--seed", "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast"}

@@ -1,0 +1,181 @@
+"""The target's ``nn.Linear`` layers through oneDNN with pre-packed weights (CPU).
+
+PyTorch's default CPU linear (``aten``) runs a one-token step as GEMV and a short
+verification (2-16 tokens) as a GEMM that re-reads and re-blocks the weight on every
+call. On the 2-core AMD EPYC (AVX2) of this project a 2-token target forward cost ~1.5x
+a one-token step and a 16-token one ~2x, which is what made verifying drafted tokens
+expensive. oneDNN with the weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise``, the kernels
+inductor's CPU freezing pass emits) makes multi-token forwards much cheaper on such CPUs.
+Whether it pays depends on the CPU, so ``auto`` measures both backends on the loaded
+target (:func:`choose_linear_backend`).
+
+Numerics: the same float32/bfloat16 products with another blocking, so logits differ
+from ``aten`` by float rounding (~1e-5 relative in float32). Token-for-token equality
+holds between modes that use the same backend (``ar`` and ``dspine`` both packed, as
+``dspine generate`` does for every mode), as tested in ``tests/test_runtime.py``.
+
+Memory: the packed copy is a second copy of every linear weight (the original stays:
+tied embeddings, the drafter's head binding and memory accounting read it): ~540 MB
+more for SmolLM2-135M in float32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LINEAR_BACKENDS = ("aten", "onednn")
+
+
+def onednn_available() -> bool:
+    """True when this torch build has the oneDNN linear ops (CPU builds usually do)."""
+    return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` through oneDNN with W reordered once (CPU, float32/bfloat16).
+
+    Keeps the original ``weight`` / ``bias`` parameters (shared with the wrapped layer,
+    so ties and ``state_dict`` keys are unchanged) plus the packed copy ``packed``.
+    x [..., in_features] -> [..., out_features] in the weight's dtype.
+    """
+
+    def __init__(self, lin: nn.Linear, batch_hint: int = 16):
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight, self.bias = lin.weight, lin.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
+        self.original = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, b, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend=onednn"
+
+
+def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (CPU, float32/bfloat16) by a
+    :class:`PackedLinear` in place; returns how many were replaced.
+
+    Raises:
+        ValueError: the model is not on the CPU, this torch has no oneDNN linear, or this
+            CPU cannot run it in the weights' dtype (bfloat16 needs AVX-512 or
+            AVX-NE-CONVERT); named ``--linear-backend``, nothing is left half-packed.
+    """
+    if not onednn_available():
+        raise ValueError("--linear-backend onednn: this torch build has no oneDNN linear ops; use aten")
+    n = 0
+    for mod in list(model.modules()):
+        for name, ch in list(mod.named_children()):
+            if type(ch) is nn.Linear:
+                if ch.weight.device.type != "cpu" or ch.weight.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(f"--linear-backend onednn: layer {name} is {ch.weight.dtype} on "
+                                     f"{ch.weight.device}; only CPU float32/bfloat16 layers can be packed")
+                try:
+                    packed = PackedLinear(ch, batch_hint)
+                except RuntimeError as e:  # e.g. bf16 reorder on a CPU without AVX-512/AVX-NE-CONVERT
+                    unpack_linears(model)
+                    raise ValueError(f"--linear-backend onednn: this CPU/torch cannot run oneDNN "
+                                     f"{str(ch.weight.dtype).replace('torch.', '')} linears "
+                                     f"({str(e).splitlines()[0]}); use aten") from None
+                setattr(mod, name, packed)
+                n += 1
+    return n
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo :func:`pack_linears` (the original layers come back); returns how many."""
+    n = 0
+    for mod in list(model.modules()):
+        for name, ch in list(mod.named_children()):
+            if isinstance(ch, PackedLinear):
+                setattr(mod, name, ch.original)
+                n += 1
+    return n
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weight copies held by ``model``'s :class:`PackedLinear` layers."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, PackedLinear))
+
+
+def is_packed(model: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: bool = True, context: int = 64):
+    """Measure the target's forward with ``aten`` and ``onednn`` linears on this machine
+    and return the :class:`dspine.tune.choose.Choice` (cached per machine, target shape
+    and dtype). The time of an alternative is a one-token step plus a 16-token
+    verification after a ``context``-token prefix: the two forwards speculative decoding
+    alternates between. CUDA targets and builds without oneDNN always get ``aten``.
+    The target is left with ``aten`` linears.
+    """
+    from ..tune.choose import Choice, choose_fastest
+
+    if target.device.type != "cpu" or not onednn_available() or target.dtype not in (torch.float32, torch.bfloat16) \
+            or target.hybrid is not None:
+        return Choice("linear", "aten", {}, "only dense CPU float32/bfloat16 targets with oneDNN are packed")
+    cfg = target.config
+    key = (f"linear:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
+           f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')}")
+    V = target.vocab_size
+    ids = (torch.arange(1, context + 17) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)[None]
+    state = {"packed": False}
+
+    def use(backend: str) -> None:
+        if backend == "onednn" and not state["packed"]:
+            pack_linears(target.model)
+            state["packed"] = True
+        elif backend == "aten" and state["packed"]:
+            unpack_linears(target.model)
+            state["packed"] = False
+
+    def run(backend: str):
+        def call():
+            use(backend)
+            with torch.no_grad():
+                cache = target.new_cache()
+                target.forward(ids[:, :context], cache, None, logits_to_keep=1)
+                import time as _t
+                t0 = _t.perf_counter()
+                target.forward(ids[:, context:context + 1], cache, None)
+                cache.rollback(context)
+                target.forward(ids[:, context:context + 16], cache, None)
+                return _t.perf_counter() - t0
+        return call
+
+    def timed(name, fn, repeats, cap):  # time only the two decode-side forwards, not the prefill
+        fn()
+        ts = sorted(fn() for _ in range(repeats))
+        return ts[len(ts) // 2]
+
+    try:
+        return choose_fastest(key, {b: run(b) for b in LINEAR_BACKENDS}, timer=timer or timed, redo=redo,
+                              repeats=5, progress=progress,
+                              what="the target's linear backend (aten vs oneDNN packed)")
+    finally:
+        use("aten")
+
+
+def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
+    """Put ``target``'s linears on ``backend`` (``auto``: :func:`choose_linear_backend`)
+    and record it as ``target.linear_backend``; returns the backend used.
+
+    Raises:
+        ValueError: unknown backend (naming ``--linear-backend``), or ``onednn`` where it
+            cannot run (:func:`pack_linears`).
+    """
+    if backend not in ("auto", *LINEAR_BACKENDS):
+        raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
+    if backend == "auto":
+        backend = choose_linear_backend(target, progress=progress).chosen
+    if backend == "onednn" and not is_packed(target.model):
+        pack_linears(target.model)
+    elif backend == "aten":
+        unpack_linears(target.model)
+    target.linear_backend = backend
+    return backend

@@ -1,0 +1,110 @@
+"""Time alternatives on this machine and choose the fastest, with a cached result.
+
+:func:`choose_fastest` is the one rule every tuned setting follows: each alternative is
+timed (a warm-up call, then the median of ``repeats`` calls), the fastest is chosen,
+and the table of times is stored (:mod:`dspine.tune.store`) so later runs reuse it. An
+alternative whose warm-up alone is ``cutoff`` times slower than the best so far is not
+timed further (an int8 ``_int_mm`` on an AVX2-only CPU takes seconds per call); one that
+raises is recorded as unavailable. A kernel measured much slower than another is thus
+never chosen. Tests inject ``timer`` to check the rule without depending on the CPU.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from . import store
+
+
+@dataclass
+class Choice:
+    """Outcome of one measured question.
+
+    key: what was measured (shapes included). chosen: the alternative's name.
+    times_ms: per alternative the median call time in milliseconds, or None when it
+    failed (its error in ``errors``). reason: one human-readable line. cached: True when
+    read from the tune cache rather than measured now.
+    """
+
+    key: str
+    chosen: str
+    times_ms: dict[str, float | None]
+    reason: str
+    cached: bool = False
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+Timer = Callable[[str, Callable[[], object], int, float], float]
+
+
+def measure(name: str, fn: Callable[[], object], repeats: int = 3, cap_s: float = float("inf")) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call. When the
+    warm-up alone takes longer than ``cap_s``, its time is returned without repeats."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if first > cap_s:
+        return first
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, repeats: int = 3,
+                   cutoff: float = 4.0, timer: Timer | None = None, device="cpu", redo: bool = False,
+                   progress: bool = False, what: str = "") -> Choice:
+    """Choose the fastest of ``alternatives`` (name -> zero-argument callable).
+
+    Args:
+        key: cache key (include every shape and dtype the timing depends on).
+        alternatives: in order of preference on exact ties.
+        repeats: timed calls per alternative (after a warm-up).
+        cutoff: an alternative whose warm-up exceeds ``cutoff`` x the best time so far
+            is not timed further.
+        timer: ``timer(name, fn, repeats, cap_s) -> seconds`` (default :func:`measure`).
+        redo: measure again even when cached.
+        progress: print one line on stderr while measuring.
+        what: words for that line (e.g. "drafter candidate pass, 15 rows").
+    Raises:
+        ValueError: no alternatives, or every alternative failed.
+    """
+    if not alternatives:
+        raise ValueError(f"tune {key}: no alternatives to choose from")
+    if not redo:
+        hit = store.get(key, device)
+        if hit and hit.get("chosen") in alternatives:
+            return Choice(key, hit["chosen"], hit.get("times_ms", {}), hit.get("reason", ""), True,
+                          hit.get("errors", {}))
+    if progress:
+        print(f"dspine: measuring {what or key} on this machine (once; cached) ...", file=sys.stderr, flush=True)
+    timer = timer or measure
+    times: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    best = float("inf")
+    for name, fn in alternatives.items():
+        try:
+            s = float(timer(name, fn, repeats, cutoff * best))
+        except Exception as e:  # an unsupported kernel on this CPU/torch: not a choice
+            times[name], errors[name] = None, f"{type(e).__name__}: {e}"[:200]
+            continue
+        times[name] = s * 1e3
+        best = min(best, s)
+    ok = {n: t for n, t in times.items() if t is not None}
+    if not ok:
+        raise ValueError(f"tune {key}: every alternative failed: {errors}")
+    chosen = min(ok, key=lambda n: (ok[n], list(alternatives).index(n)))
+    others = sorted((t / ok[chosen], n) for n, t in ok.items() if n != chosen)
+    reason = f"{chosen} {ok[chosen]:.2f} ms" + (
+        "; " + ", ".join(f"{n} {r:.1f}x slower" for r, n in others) if others else "")
+    choice = Choice(key, chosen, times, reason, False, errors)
+    store.put(key, {k: v for k, v in choice.to_dict().items() if k not in ("key", "cached")}, device)
+    return choice

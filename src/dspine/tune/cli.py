@@ -1,0 +1,82 @@
+"""``dspine tune``: measure (or show the cached) hardware-dependent choices of this machine.
+
+Prints the machine (CPU model and instruction-set class, threads, torch), then for the
+target and drafter given: the candidate-pass kernel per row bucket with every kernel's
+time, the target's dtype for batched decoding and feature extraction, and the
+verification cost curve the cost policy starts from. ``--redo`` measures everything again; ``--json`` prints one JSON object.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _fmt(times: dict) -> str:
+    return ", ".join(f"{k} {'failed' if v is None else f'{v:.2f} ms'}" for k, v in times.items())
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from ..cli import build_engine
+    from ..policy import measure_cost
+    from . import store
+    from .choose import choose_fastest
+    from .dtype import choose_forward_dtype
+    from .head import plan_candidate_pass
+    from .machine import describe, machine_info
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.redo:
+        store.clear(args.device)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    report: dict = {"machine": machine_info(args.device), "cache": str(store.path(args.device))}
+    say(f"machine: {describe(args.device)}")
+    say(f"cache:   {report['cache']}")
+    target, eng = build_engine(args.target, args.drafter, args.mode, args.dtype, device=args.device,
+                               verify_policy="fixed", progress=not args.json)
+    prop = eng.proposer
+    if prop is not None:
+        cp = plan_candidate_pass(prop.drafter.head, prop.drafter.fc.weight.dtype, "auto", progress=not args.json)
+        prop.qhead = cp
+        report["candidate_pass"] = {f"rows<={b}": c.to_dict() for b, c in cp.choices.items()}
+        say("\ncandidate pass (drafter head, coarse top-k; per row bucket):")
+        for b, c in cp.choices.items():
+            say(f"  rows<={b:<3} -> {c.chosen:<9} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
+    say("\ntarget dtype for batched work (`dspine data build`, feature extraction; --dtype auto):")
+    report["batched_dtype"] = {}
+    for name, b, L, dec in (("data build decode step", args.data_batch, 64, True),
+                            ("feature extraction forward", 4, 128, False)):
+        c = choose_forward_dtype(target, b, L, dec, redo=args.redo, progress=not args.json)
+        report["batched_dtype"][name] = c.to_dict()
+        say(f"  {name} ({b}x{L}) -> {c.chosen:<8} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
+    if prop is not None:
+        curve = measure_cost(target, prop, n_max=prop.block_size - 1, progress=not args.json)
+        report["cost_curve_ms"] = {"verify": [round(v * 1e3, 2) for v in curve.verify_s],
+                                   "propose": [round(v * 1e3, 2) for v in (curve.propose_s or [])]}
+        say("\ncycle cost curve (ms; n = drafted tokens verified; the cost policy starts from it):")
+        say("  verify  " + " ".join(f"{v * 1e3:.0f}" for v in curve.verify_s))
+        say("  propose " + " ".join(f"{v * 1e3:.0f}" for v in (curve.propose_s or [])))
+        ratio = curve.cycle_s(curve.n_max) / curve.cycle_s(0)
+        say(f"  a full block ({curve.n_max} drafted) costs {ratio:.2f} plain steps: drafting pays "
+            f"when tau exceeds that")
+        report["full_block_in_plain_steps"] = round(ratio, 3)
+    if args.json:
+        print(json.dumps(report, default=str))
+    return 0
+
+
+def add_tune_parser(sub) -> None:
+    p = sub.add_parser("tune", help="measure / show this machine's kernel and dtype choices (cached)",
+                       description=__doc__)
+    p.add_argument("--target", default="smollm2-135m", help="target name, HF dir, .gguf, or random:<arch>")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")
+    p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (the decoding dtype to measure)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's own default)")
+    p.add_argument("--data-batch", type=int, default=32, help="batch of `dspine data build` to measure at")
+    p.add_argument("--redo", action="store_true", help="forget this machine's cached choices and measure again")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
+    p.set_defaults(func=cmd_tune)

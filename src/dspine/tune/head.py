@@ -1,0 +1,142 @@
+"""The drafter's candidate pass, with its kernel measured per row count (issue 19).
+
+The final stage (spec section 4) scores every row's normed state against the whole
+vocabulary head H [V, d] to keep the top ``coarse_k`` candidates, which the exact head
+then rescores. The spec prescribes a quantized coarse pass (int8 here, FP8 on CUDA),
+but which kernel is fastest depends on the CPU: ``torch._int_mm`` is fast with VNNI/AMX
+and ~30-60x slower than float32 on AVX2-only CPUs, and a bfloat16 GEMV beats float32
+there while a bfloat16 GEMM of 15 rows does not. So the kernel is chosen by measurement,
+per bucket of row counts, among:
+
+- ``int8``: :class:`dspine.final_stage.QuantizedHead` (row-scaled int8 copy, V*d bytes;
+  FP8 on CUDA);
+- ``bfloat16``: a bfloat16 copy of H (2*V*d bytes), scores in bfloat16;
+- ``exact``: H itself in the drafter's dtype (no copy).
+
+Candidates only propose; they never decide the target's output, so every kernel keeps
+decoding lossless. Kernels can differ in which tokens enter the coarse pool (int8
+rounding), which can change tau slightly, never the output.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..final_stage import QuantizedHead
+from .choose import Choice, choose_fastest
+
+#: Measured in this order (the exact head first: it is never pathological, so a kernel
+#: whose first call is many times slower is cut off early, :func:`choose_fastest`).
+HEAD_KERNELS = ("exact", "bfloat16", "int8")
+#: Row counts the choice is measured at; a call with m rows uses the smallest bucket >= m.
+ROW_BUCKETS = (1, 4, 16, 64)
+
+
+class DenseHead:
+    """A copy of H [V, d] in ``dtype`` for the coarse pass (2*V*d bytes in bfloat16)."""
+
+    def __init__(self, head: torch.Tensor, dtype: torch.dtype):
+        self.dtype = dtype
+        self.w = head.detach().to(dtype).contiguous()  # [V, d]
+
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, d] -> [m, V] float32."""
+        return (x.to(self.dtype) @ self.w.T).float()
+
+
+class ExactHead:
+    """H itself (no copy): scores ``x @ H.T`` in x's dtype."""
+
+    def __init__(self, head: torch.Tensor):
+        self.w = head
+
+    def nbytes(self) -> int:
+        return 0
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w.to(x.dtype).T).float()
+
+
+def make_kernel(name: str, head: torch.Tensor):
+    """Build one coarse-pass kernel by name. Raises ValueError for an unknown name
+    (naming ``--head-kernel`` and the accepted values)."""
+    if name == "int8":
+        return QuantizedHead(head)
+    if name == "bfloat16":
+        return DenseHead(head, torch.bfloat16)
+    if name == "exact":
+        return ExactHead(head)
+    raise ValueError(f"--head-kernel {name!r} is unknown; accepted: auto, {', '.join(HEAD_KERNELS)}")
+
+
+def bucket(m: int) -> int:
+    """The row bucket a call with ``m`` rows is dispatched by."""
+    return next((b for b in ROW_BUCKETS if b >= m), ROW_BUCKETS[-1])
+
+
+class CandidatePass:
+    """Coarse scoring ``x @ H.T`` (approximate) with a kernel per row bucket.
+
+    ``plan``: bucket -> kernel name; ``kernels``: name -> kernel object (only those the
+    plan uses are kept, so an int8 copy that is never chosen costs no memory).
+    ``choices``: the :class:`Choice` of each bucket (empty when the kernel was forced).
+    """
+
+    def __init__(self, head: torch.Tensor, plan: dict[int, str], choices: dict[int, Choice] | None = None,
+                 kernels: dict | None = None):
+        self.plan = {b: plan[b] for b in ROW_BUCKETS}
+        kernels = kernels or {}
+        self.kernels = {n: kernels.get(n) or make_kernel(n, head) for n in sorted(set(self.plan.values()))}
+        self.choices = choices or {}
+        self.device = head.device
+
+    def kernel_for(self, m: int) -> str:
+        return self.plan[bucket(m)]
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Approximate ``x @ H.T``: x [m, d] float -> [m, V] float32, by the kernel of m's bucket."""
+        return self.kernels[self.kernel_for(x.shape[0])].scores(x)
+
+    def nbytes(self) -> int:
+        """Bytes of the kernels' own copies of H (the exact kernel adds none)."""
+        return sum(k.nbytes() for k in self.kernels.values())
+
+    def describe(self) -> dict:
+        """``{"rows<=m": kernel}`` and why (for ``--json`` stats and ``dspine tune``)."""
+        out = {"kernels": {f"rows<={b}": n for b, n in self.plan.items()}}
+        if self.choices:
+            out["measured_ms"] = {f"rows<={b}": c.times_ms for b, c in self.choices.items()}
+        return out
+
+
+def plan_candidate_pass(head: torch.Tensor, x_dtype: torch.dtype, kernel: str = "auto", *,
+                        redo: bool = False, timer=None, progress: bool = True) -> CandidatePass:
+    """The candidate pass for ``head`` [V, d] with inputs of ``x_dtype``.
+
+    ``kernel``: ``auto`` (measure per row bucket, cached per machine and shapes) or one
+    of :data:`HEAD_KERNELS` (forced for every bucket). ``timer`` is injected by tests.
+    Raises:
+        ValueError: unknown kernel name.
+    """
+    if kernel != "auto":
+        make_kernel(kernel, head[:1])  # validates the name before building a full copy
+        return CandidatePass(head, {b: kernel for b in ROW_BUCKETS})
+    V, d = head.shape
+    built = {n: make_kernel(n, head) for n in HEAD_KERNELS}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    choices: dict[int, Choice] = {}
+    sync = torch.cuda.synchronize if head.is_cuda else (lambda: None)
+    for b in ROW_BUCKETS:
+        x = torch.randn(b, d, generator=g).to(device=head.device, dtype=x_dtype)
+
+        def run(k=None, x=x):
+            k.scores(x)
+            sync()
+        alts = {n: (lambda k=built[n], x=x: run(k, x)) for n in HEAD_KERNELS}
+        key = f"head:V={V},d={d},x={str(x_dtype).replace('torch.', '')},dev={head.device.type},m={b}"
+        choices[b] = choose_fastest(key, alts, timer=timer, redo=redo, progress=progress,
+                                    what=f"the drafter's candidate-pass kernels (int8, bfloat16, exact) at {b} rows",
+                                    device=str(head.device))
+    return CandidatePass(head, {b: c.chosen for b, c in choices.items()}, choices, kernels=built)

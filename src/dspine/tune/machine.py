@@ -1,0 +1,75 @@
+"""Machine fingerprint for cached measurements: CPU model, ISA class, torch, threads.
+
+A measurement is valid only on the machine (and software) it was taken on; the key
+changes when any of these change, so a cache copied to another CPU is not reused.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from functools import lru_cache
+
+import torch
+
+#: CPU flags that change which kernels are fast (reported, and part of the key).
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
+             "amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "asimd", "sve", "i8mm", "bf16")
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, tuple[str, ...]]:
+    """(model name, sorted ISA flags of :data:`ISA_FLAGS` present) from /proc/cpuinfo."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                k = k.strip().lower()
+                if k == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = v.strip()
+                elif k in ("flags", "features") and not flags:
+                    flags = set(v.split())
+    except OSError:
+        pass
+    return model, tuple(sorted(f for f in ISA_FLAGS if f in flags))
+
+
+def isa_class(flags: tuple[str, ...] | None = None) -> str:
+    """``AMX``, ``AVX-512`` (``+VNNI``/``+BF16`` noted), ``AVX2``, or torch's own word."""
+    flags = _cpuinfo()[1] if flags is None else flags
+    if "amx_tile" in flags:
+        return "AMX"
+    if "avx512f" in flags:
+        extra = [n for f, n in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if f in flags]
+        return "AVX-512" + "".join("+" + e for e in extra)
+    if "avx2" in flags:
+        return "AVX2" + ("+VNNI" if "avx_vnni" in flags else "")
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict:
+    """Facts a measurement depends on. ``device``: where the kernels run (CUDA adds the
+    GPU name). Threads are torch's current intra-op threads."""
+    model, flags = _cpuinfo()
+    info = {"cpu_model": model, "isa": isa_class(flags), "flags": list(flags),
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "device": str(device)}
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def machine_key(device: str | torch.device = "cpu") -> str:
+    """Short stable hash of :func:`machine_info` (file name of the tune cache)."""
+    info = machine_info(device)
+    raw = "|".join(f"{k}={info[k]}" for k in sorted(info))
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def describe(device: str | torch.device = "cpu") -> str:
+    """One line naming the machine, e.g. ``AMD EPYC (AVX2), 2 threads, torch 2.13.0+cpu``."""
+    i = machine_info(device)
+    gpu = f", {i['gpu']}" if "gpu" in i else ""
+    return f"{i['cpu_model']} ({i['isa']}), {i['threads']} threads, torch {i['torch']}{gpu}"

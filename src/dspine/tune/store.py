@@ -1,0 +1,80 @@
+"""JSON cache of measured choices under ``$DSPINE_HOME/tune/<machine key>.json``.
+
+One file per machine fingerprint (:func:`dspine.tune.machine.machine_key`); inside,
+one entry per measured question (e.g. ``head:V=49152,d=576,dtype=float32,m=15``)
+holding the times of every alternative and the choice. Writes are atomic (temp file
++ rename), so a killed process never leaves a half-written cache. ``DSPINE_TUNE=off``
+keeps everything in memory (nothing read or written; tests use it for isolation).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from .machine import machine_info, machine_key
+
+_LOCK = threading.Lock()
+_MEMORY: dict[str, dict] = {}  # path -> entries, when the disk cache is off
+
+
+def enabled() -> bool:
+    """False when ``DSPINE_TUNE=off`` (measure every time, keep results in memory only)."""
+    return os.environ.get("DSPINE_TUNE", "on").lower() not in ("off", "0", "no", "false")
+
+
+def path(device="cpu") -> Path:
+    """The cache file of this machine (not created)."""
+    from ..assets import dspine_home
+
+    return dspine_home() / "tune" / f"{machine_key(device)}.json"
+
+
+def load(device="cpu") -> dict:
+    """All entries of this machine's cache: ``{"machine": {...}, "entries": {key: entry}}``.
+    A missing or unreadable file gives an empty cache (it is re-measured, not an error)."""
+    if not enabled():
+        return _MEMORY.setdefault(str(machine_key(device)), {"machine": machine_info(device), "entries": {}})
+    p = path(device)
+    try:
+        data = json.loads(p.read_text())
+        if isinstance(data, dict) and isinstance(data.get("entries"), dict):
+            return data
+    except (OSError, ValueError):
+        pass
+    return {"machine": machine_info(device), "entries": {}}
+
+
+def get(key: str, device="cpu") -> dict | None:
+    """The cached entry for ``key`` on this machine, or None."""
+    return load(device)["entries"].get(key)
+
+
+def put(key: str, entry: dict, device="cpu") -> None:
+    """Store ``entry`` under ``key`` (atomic write; concurrent writers keep both keys)."""
+    with _LOCK:
+        data = load(device)
+        data["machine"] = machine_info(device)
+        data["entries"][key] = entry
+        if not enabled():
+            return
+        p = path(device)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(p)
+
+
+def clear(device="cpu", prefix: str = "") -> int:
+    """Forget the entries whose key starts with ``prefix`` (all by default); returns how many."""
+    with _LOCK:
+        data = load(device)
+        gone = [k for k in data["entries"] if k.startswith(prefix)]
+        for k in gone:
+            del data["entries"][k]
+        if enabled() and path(device).exists():
+            tmp = path(device).with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            tmp.replace(path(device))
+        return len(gone)

@@ -1,0 +1,135 @@
+"""The target's linears through oneDNN with pre-packed weights (dspine.runtime.packed):
+numerics against nn.Linear, the measured backend choice (injected timings), and
+exactness with the packed target: greedy equality with ``ar`` on the real target and the
+shipped drafter, and the exact sampled distribution (enumeration, chi-square) with a
+negative control that must fail.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import dspine.engine
+from dspine.cli import DEFAULT_CHECKPOINTS
+from dspine.config import SamplingConfig
+from dspine.draft import DrafterProposer, load_drafter
+from dspine.engine import Engine
+from dspine.policy import FixedPolicy, make_policy
+from dspine.runtime.packed import (PackedLinear, apply_linear_backend, choose_linear_backend, is_packed,
+                                   onednn_available, pack_linears, packed_bytes, unpack_linears)
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")]
+
+
+@contextlib.contextmanager
+def packed(target):
+    """``target`` with oneDNN linears for the duration (shared fixtures are restored)."""
+    apply_linear_backend(target, "onednn")
+    try:
+        yield target
+    finally:
+        apply_linear_backend(target, "aten")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 16)])
+def test_packed_linear_matches_linear(dtype, tol, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160, bias=True).to(dtype)
+    holder = nn.Sequential(lin)
+    try:
+        pack_linears(holder)
+    except ValueError as e:  # bf16 on a CPU without AVX-512 / AVX-NE-CONVERT: a clear refusal
+        assert dtype == torch.bfloat16 and "--linear-backend onednn" in str(e) and "use aten" in str(e)
+        assert type(holder[0]) is nn.Linear  # nothing left half-packed
+        return
+    p = holder[0]
+    assert isinstance(p, PackedLinear)
+    x = torch.randn(*shape, 96).to(dtype)
+    ref = lin(x)
+    got = p(x)
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.allclose(p(x[:, ::1].transpose(0, 1).transpose(0, 1)).float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_pack_unpack_keeps_parameters_and_ties(tiny256):
+    m = tiny256.model
+    names = {n: p for n, p in m.named_parameters()}
+    head = tiny256.output_head()
+    try:
+        n = pack_linears(m)
+        assert n > 0 and is_packed(m) and packed_bytes(m) > 0
+        assert tiny256.output_head() is head  # the drafter's head binding is unchanged
+        assert {k: v for k, v in m.named_parameters()}.keys() >= names.keys()
+    finally:
+        assert unpack_linears(m) == n
+    assert not is_packed(m) and all(type(x) is not PackedLinear for x in m.modules())
+
+
+def test_backend_choice_follows_measurement_and_restores_aten(tiny256):
+    def timer(ms):
+        def t(name, fn, repeats, cap):
+            fn()
+            return ms[name] / 1e3
+        return t
+    c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer({"aten": 10.0, "onednn": 4.0}))
+    assert c.chosen == "onednn" and not is_packed(tiny256.model)  # left on aten
+    c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer({"aten": 4.0, "onednn": 10.0}))
+    assert c.chosen == "aten"
+    with pytest.raises(ValueError, match="--linear-backend 'mkl'"):
+        apply_linear_backend(tiny256, "mkl")
+
+
+def test_real_measurement_runs(tiny256):
+    c = choose_linear_backend(tiny256, redo=True, progress=False)
+    assert c.chosen in ("aten", "onednn") and set(c.times_ms) == {"aten", "onednn"}
+    assert not is_packed(tiny256.model)
+
+
+def test_build_engine_reports_the_backend():
+    from dspine.cli import build_engine
+    t, eng = build_engine("random:llama", "random", "dspine", linear_backend="onednn", block_size=4)
+    res = eng.generate([3, 4, 5, 6], SamplingConfig(), 8)
+    assert res.stats.kernels["linear_backend"] == "onednn" and is_packed(t.model)
+    ref = Engine(t, None, "ar").generate([3, 4, 5, 6], SamplingConfig(), 8)
+    assert res.token_ids == ref.token_ids
+
+
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
+           "Explain in two sentences why the sky is blue."]
+
+
+@pytest.mark.parametrize("mode", ["dspine", "dflash"])
+def test_greedy_equal_to_ar_with_packed_real_target(smol, mode):
+    """float32, the shipped drafter, fixed full blocks and the cost policy: token for token."""
+    drafter = load_drafter(DEFAULT_CHECKPOINTS / f"smollm2-135m-{mode}", smol)
+    with packed(smol):
+        prop = DrafterProposer(drafter)
+        for text in PROMPTS:
+            ids = smol.encode_prompt(text, chat=True)
+            ref = Engine(smol, None, "ar").generate(ids, SamplingConfig(), 48).token_ids
+            for pol in (FixedPolicy(), make_policy("cost", smol, prop)):
+                got = Engine(smol, prop, mode, verify_policy=pol).generate(ids, SamplingConfig(), 48)
+                assert got.token_ids == ref, (mode, pol.name, text)
+                assert got.stats.kernels["linear_backend"] == "onednn"
+
+
+def test_sampled_distribution_exact_with_packed_target(tiny, monkeypatch):
+    """Chi-square against the exact distribution of the packed target (enumerated with the
+    packed target itself), DSpine drafter with sparse q; the negative control (residual
+    without q) must fail on the same packed target."""
+    import test_distribution as TD
+
+    with packed(tiny):
+        P = TD.exact_distribution(tiny, TD.PROMPT, TD.SETTINGS["t1.0"])
+        eng = Engine(tiny, TD.strong_bridge_drafter(tiny, seed=3), "dspine")
+        counts = TD.sample_counts(eng, TD.SETTINGS["t1.0"], TD.N, tiny.vocab_size)
+        assert TD.chi2_pvalue(counts, P) > TD.ALPHA
+        monkeypatch.setattr(dspine.engine, "verify", TD._verify_residual_is_p)
+        bad = TD.sample_counts(eng, TD.SETTINGS["t1.0"], TD.N_NEG, tiny.vocab_size)
+        assert TD.chi2_pvalue(bad, P) < TD.ALPHA

@@ -1,0 +1,286 @@
+"""Measured kernel and dtype choices (issue 19): the choice rule with injected timings,
+the per-machine cache, the candidate pass per row bucket, the batched-forward dtype,
+and the cost policy's persisted profile and bounded exploration.
+
+No test here depends on the CPU's instruction set: timings are injected wherever a
+choice is asserted.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspine.config import SamplingConfig
+from dspine.draft import DrafterProposer, random_drafter
+from dspine.final_stage import QuantizedHead, candidates
+from dspine.policy import CostCurve, CostModelPolicy, make_policy
+from dspine.tune import store
+from dspine.tune.choose import choose_fastest
+from dspine.tune.dtype import choose_forward_dtype
+from dspine.tune.head import HEAD_KERNELS, ROW_BUCKETS, CandidatePass, bucket, plan_candidate_pass
+from dspine.tune.machine import isa_class, machine_info, machine_key
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def fake_timer(ms: dict):
+    """A timer returning the given milliseconds per alternative (the callable still runs
+    once, so a broken alternative raises as it would when measured)."""
+    calls = []
+
+    def timer(name, fn, repeats, cap_s):
+        fn()
+        calls.append(name)
+        v = ms[name]
+        if isinstance(v, Exception):
+            raise v
+        return v / 1e3
+    timer.calls = calls
+    return timer
+
+
+@pytest.fixture
+def disk_cache(tmp_path, monkeypatch):
+    """The tune cache on disk under a temporary $DSPINE_HOME."""
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path))
+    monkeypatch.setenv("DSPINE_TUNE", "on")
+    return tmp_path
+
+
+# -- the choice rule ------------------------------------------------------------------------
+
+def test_slow_int8_is_never_chosen_and_fast_int8_is():
+    """The AVX2 case (int8 60x slower than float32) and the AMX case (int8 fastest)."""
+    noop = {n: (lambda: None) for n in HEAD_KERNELS}
+    avx2 = choose_fastest("t:avx2", noop, timer=fake_timer({"exact": 40.0, "bfloat16": 60.0, "int8": 2400.0}),
+                          redo=True)
+    assert avx2.chosen == "exact" and "int8 60.0x slower" in avx2.reason
+    amx = choose_fastest("t:amx", noop, timer=fake_timer({"exact": 25.0, "bfloat16": 3.0, "int8": 1.5}), redo=True)
+    assert amx.chosen == "int8"
+    # negative control: with int8 fastest the rule must not pick it on the AVX2 timings
+    assert choose_fastest("t:x", noop, timer=fake_timer({"exact": 5.0, "bfloat16": 9.0, "int8": 4.0}),
+                          redo=True).chosen == "int8"
+
+
+def test_failing_alternative_is_recorded_not_chosen():
+    alts = {"a": lambda: None, "b": lambda: None}
+    c = choose_fastest("t:fail", alts, timer=fake_timer({"a": RuntimeError("no kernel"), "b": 9.0}), redo=True)
+    assert c.chosen == "b" and c.times_ms["a"] is None and "no kernel" in c.errors["a"]
+    with pytest.raises(ValueError, match="every alternative failed"):
+        choose_fastest("t:allfail", {"a": lambda: None}, timer=fake_timer({"a": RuntimeError("x")}), redo=True)
+    with pytest.raises(ValueError, match="no alternatives"):
+        choose_fastest("t:none", {}, redo=True)
+
+
+def test_real_timer_cuts_off_a_pathological_kernel():
+    """The default timer stops timing an alternative whose warm-up exceeds cutoff x best."""
+    import time
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.02)
+    c = choose_fastest("t:cut", {"fast": fast, "slow": slow}, redo=True, repeats=3)
+    assert c.chosen == "fast" and calls["fast"] == 4 and calls["slow"] == 1
+
+
+def test_choices_are_cached_per_machine_on_disk(disk_cache):
+    t = fake_timer({"a": 2.0, "b": 1.0})
+    c1 = choose_fastest("t:cache", {"a": lambda: None, "b": lambda: None}, timer=t)
+    assert c1.chosen == "b" and not c1.cached
+    f = store.path()
+    assert f.parent == disk_cache / "tune" and f.name == f"{machine_key()}.json"
+    data = json.loads(f.read_text())
+    assert data["entries"]["t:cache"]["chosen"] == "b" and data["machine"]["isa"] == isa_class()
+    c2 = choose_fastest("t:cache", {"a": lambda: None, "b": lambda: None}, timer=fake_timer({"a": 1.0, "b": 5.0}))
+    assert c2.cached and c2.chosen == "b"  # reused, not measured again
+    c3 = choose_fastest("t:cache", {"a": lambda: None, "b": lambda: None}, timer=fake_timer({"a": 1.0, "b": 5.0}),
+                        redo=True)
+    assert c3.chosen == "a" and not c3.cached
+    assert store.clear(prefix="t:") == 1 and store.get("t:cache") is None
+
+
+def test_damaged_cache_is_measured_again(disk_cache):
+    p = store.path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("{not json")
+    c = choose_fastest("t:dmg", {"a": lambda: None}, timer=fake_timer({"a": 1.0}))
+    assert c.chosen == "a" and json.loads(p.read_text())["entries"]["t:dmg"]["chosen"] == "a"
+
+
+def test_machine_info_names_the_cpu():
+    i = machine_info()
+    assert {"cpu_model", "isa", "flags", "torch", "threads"} <= set(i)
+    assert isa_class(("avx2", "fma")) == "AVX2"
+    assert isa_class(("avx2", "avx512f", "avx512_vnni")) == "AVX-512+VNNI"
+    assert isa_class(("avx2", "avx512f", "amx_tile")) == "AMX"
+
+
+# -- the candidate pass -----------------------------------------------------------------------
+
+def test_candidate_pass_dispatches_by_row_bucket(tiny256):
+    d = random_drafter(tiny256, mode="dspine", block_size=8, seed=1, head_topk=8, coarse_k=32)
+    timings = {1: {"exact": 5.0, "bfloat16": 1.0, "int8": 50.0}, 4: {"exact": 5.0, "bfloat16": 4.0, "int8": 50.0},
+               16: {"exact": 5.0, "bfloat16": 20.0, "int8": 1.0}, 64: {"exact": 5.0, "bfloat16": 80.0, "int8": 90.0}}
+    seen = iter(ROW_BUCKETS)
+    cur = {}
+
+    def timer(name, fn, repeats, cap):
+        if name == HEAD_KERNELS[0]:
+            cur["b"] = next(seen)
+        return timings[cur["b"]][name] / 1e3
+    cp = plan_candidate_pass(d.head, d.fc.weight.dtype, "auto", timer=timer, progress=False, redo=True)
+    assert cp.plan == {1: "bfloat16", 4: "bfloat16", 16: "int8", 64: "exact"}
+    assert [cp.kernel_for(m) for m in (1, 3, 5, 16, 17, 500)] == ["bfloat16", "bfloat16", "int8", "int8", "exact", "exact"]
+    assert bucket(2) == 4 and bucket(10_000) == ROW_BUCKETS[-1]
+    x = d.norm_f(torch.randn(5, d.head.shape[1]))
+    assert cp.scores(x).shape == (5, tiny256.vocab_size)
+    assert cp.describe()["kernels"]["rows<=16"] == "int8"
+
+
+@pytest.mark.parametrize("kernel", HEAD_KERNELS)
+def test_every_kernel_gives_the_exact_top_candidates(tiny256, kernel):
+    """Coarse pool + exact rescoring: the top-K equals the exact head's top-K when the
+    pool is wide (all kernels are only proposals; this checks they are sane)."""
+    d = random_drafter(tiny256, mode="dspine", block_size=8, seed=2, head_topk=4, coarse_k=64)
+    x = d.norm_f(torch.randn(15, d.head.shape[1], generator=torch.Generator().manual_seed(0)))
+    cp = plan_candidate_pass(d.head, x.dtype, kernel)
+    ref = candidates(d, x, 4, 64, None)
+    got = candidates(d, x, 4, 64, cp)
+    assert torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values)
+
+
+def test_forced_kernel_and_bad_name(tiny256):
+    d = random_drafter(tiny256, mode="dspine", block_size=4, seed=1)
+    p = DrafterProposer(d, head_kernel="int8")
+    assert set(p.qhead.plan.values()) == {"int8"} and isinstance(p.qhead.kernels["int8"], QuantizedHead)
+    assert p.kernel_info() == {"candidate_pass": {f"rows<={b}": "int8" for b in ROW_BUCKETS}}
+    assert DrafterProposer(d, use_quantized_head=False).kernel_info() == {"candidate_pass": "exact-reference"}
+    with pytest.raises(ValueError, match="--head-kernel 'fp4'"):
+        DrafterProposer(d, head_kernel="fp4")
+    # a kernel never chosen costs no memory: only the plan's kernels are kept
+    cp = CandidatePass(d.head, {b: "exact" for b in ROW_BUCKETS})
+    assert list(cp.kernels) == ["exact"] and cp.nbytes() == 0
+
+
+# -- the batched-forward dtype ----------------------------------------------------------------
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_forward_dtype_follows_the_measurement(tiny256, decode):
+    slow_bf16 = choose_forward_dtype(tiny256, 2, 8, decode, redo=True, progress=False,
+                                     timer=fake_timer({"float32": 30.0, "bfloat16": 300.0}))
+    assert slow_bf16.chosen == "float32"
+    fast_bf16 = choose_forward_dtype(tiny256, 2, 8, decode, redo=True, progress=False,
+                                     timer=fake_timer({"float32": 30.0, "bfloat16": 12.0}))
+    assert fast_bf16.chosen == "bfloat16"
+    assert tiny256.dtype == torch.float32 and next(tiny256.model.parameters()).dtype == torch.float32
+
+
+def test_forward_dtype_real_measurement_runs(tiny256):
+    c = choose_forward_dtype(tiny256, 2, 8, True, redo=True, progress=False)
+    assert c.chosen in ("float32", "bfloat16") and all(v > 0 for v in c.times_ms.values())
+
+
+# -- the cost policy: bounded exploration, persisted profile -----------------------------------
+
+def test_exploration_is_rarer_when_a_full_block_is_expensive():
+    cheap = CostModelPolicy(CostCurve([1.0] + [1.3] * 15))
+    dear = CostModelPolicy(CostCurve([1.0] + [2.8] * 15))
+    assert cheap.explore_period(0, 15) == 21 and dear.explore_period(0, 15) == 45
+    assert dear.explore_period(15, 15) == 16  # never below explore_every
+
+
+def _finished_request(policy, cycles):
+    from types import SimpleNamespace
+    req = SimpleNamespace(cycles=[SimpleNamespace(n=n, emitted=e, draft_s=0.01, final_s=0.01, verify_s=0.1)
+                                  for n, e in cycles])
+    policy._state(req)
+    return req
+
+
+def test_profile_round_trip_and_damaged_entries(disk_cache):
+    curve = CostCurve([1.0] + [1.6] * 7)
+    a = CostModelPolicy(curve)
+    _finished_request(a, [(7, 1)] * 30)  # drafting never accepted: a plain step is best
+    a.save_profile("profile:test")
+    b = CostModelPolicy(curve)
+    assert b.load_profile("profile:test")
+    assert b.pooled.risk[0] == pytest.approx(30, rel=0.05)  # decayed a little (half-life)
+    assert b.pooled.acc[0] == 0.0
+    fresh = CostModelPolicy(curve)
+    assert b.choose(b.confidence(b.pooled, 7), 7) == 0
+    assert fresh.choose(fresh.confidence(fresh.pooled, 7), 7) > 0  # negative control: no profile
+    store.put("profile:bad", {"risk": [1.0], "acc": [2.0], "obs_sum": [0.0] * 8, "obs_w": [0.0] * 8})
+    assert not CostModelPolicy(curve).load_profile("profile:bad")  # accepted > at risk
+    store.put("profile:short", {"risk": [1.0], "acc": [0.0], "obs_sum": [0.0], "obs_w": [0.0]})
+    assert not CostModelPolicy(curve).load_profile("profile:short")  # another curve length
+    assert not CostModelPolicy(curve).load_profile("profile:missing")
+
+
+def test_make_policy_persist_keys_by_drafter(tiny256, disk_cache):
+    p1 = DrafterProposer(random_drafter(tiny256, block_size=4, seed=1))
+    p2 = DrafterProposer(random_drafter(tiny256, block_size=4, seed=2))
+    cost = CostCurve([1.0, 1.2, 1.4, 1.6])
+    k1 = make_policy("cost", tiny256, p1, cost=cost, persist=True).profile_key
+    k2 = make_policy("cost", tiny256, p2, cost=cost, persist=True).profile_key
+    assert k1 and k2 and k1 != k2
+    assert make_policy("cost", tiny256, p1, cost=cost).profile_key is None  # persist off
+
+
+def test_cost_curve_cached_on_disk(tiny256, disk_cache):
+    from dspine.policy import _COST_CACHE, measure_cost
+    prop = DrafterProposer(random_drafter(tiny256, block_size=4, seed=1))
+    c1 = measure_cost(tiny256, prop, n_max=3, repeats=1)
+    _COST_CACHE.clear()  # a new process: only the disk cache remains
+    c2 = measure_cost(tiny256, prop, n_max=3, repeats=1)
+    assert c2.verify_s == c1.verify_s and c2.propose_s == c1.propose_s
+    assert any(k.startswith("cost:") for k in store.load()["entries"])
+
+
+def test_default_policy_greedy_equals_ar(tiny256):
+    """The new defaults (cost policy, measured candidate pass) stay token-for-token."""
+    from dspine.engine import Engine
+    prompt = list(range(3, 30))
+    ref = Engine(tiny256, None, "ar").generate(prompt, SamplingConfig(), 40).token_ids
+    prop = DrafterProposer(random_drafter(tiny256, mode="dspine", block_size=8, seed=4))
+    eng = Engine(tiny256, prop, "dspine", verify_policy=make_policy("cost", tiny256, prop))
+    res = eng.generate(prompt, SamplingConfig(), 40)
+    assert res.token_ids == ref
+    assert res.stats.kernels["verify_policy"] == "cost" and "candidate_pass" in res.stats.kernels
+
+
+# -- command line ---------------------------------------------------------------------------
+
+def test_version_and_tune_cli(capsys):
+    from dspine import __version__
+    from dspine.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"dspine {__version__}"
+    assert main(["tune", "--target", "random:llama", "--drafter", "random", "--json", "--data-batch", "2"]) == 0
+    cap = capsys.readouterr()
+    rep = json.loads(cap.out)
+    assert rep["machine"]["isa"] == isa_class() and set(rep["candidate_pass"]) == {f"rows<={b}" for b in ROW_BUCKETS}
+    assert {"data build decode step", "feature extraction forward"} == set(rep["batched_dtype"])
+    assert rep["cost_curve_ms"]["verify"] and rep["full_block_in_plain_steps"] > 0
+    assert "candidate pass" in cap.err and "cycle cost curve" in cap.err  # the table, on stderr with --json
+
+
+def test_generate_threads_and_kernels_in_json(capsys):
+    from dspine.cli import main
+    prev = torch.get_num_threads()
+    try:
+        assert main(["generate", "hello", "--target", "random:llama", "--drafter", "random", "--threads", "1",
+                     "--max-new-tokens", "6", "--json", "--linear-backend", "aten"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(prev)
+    cap = capsys.readouterr()
+    k = json.loads(cap.out)["stats"]["kernels"]
+    assert k["threads"] == 1 and k["verify_policy"] == "cost" and k["linear_backend"] == "aten"
+    assert set(k["candidate_pass"]) == {f"rows<={b}" for b in ROW_BUCKETS}
