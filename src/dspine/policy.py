@@ -179,7 +179,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     """
     drafter = getattr(proposer, "drafter", None)
     key = (id(target.model), target.name, str(target.device), str(target.dtype), n_max,
-           id(drafter) if drafter is not None else id(proposer), context)
+           id(drafter) if drafter is not None else id(proposer), context, getattr(target, "linear_backend", "aten"))
     if use_cache and key in _COST_CACHE:
         return _COST_CACHE[key]
     disk_key = _disk_key(target, proposer, n_max, context, repeats) if use_cache else None
@@ -261,7 +261,8 @@ def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str |
     if proposer is not None and drafter is None:
         return None
     cfg = getattr(target, "config", None)
-    parts = [target.name, str(target.dtype), str(target.device), n_max, context, repeats,
+    parts = [target.name, str(target.dtype), str(target.device), getattr(target, "linear_backend", "aten"),
+             n_max, context, repeats,
              getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None), target.vocab_size]
     if drafter is not None:
         parts += [drafter.cfg.to_json(), json.dumps(proposer.kernel_info(), sort_keys=True)
