@@ -123,7 +123,7 @@ def cmd_generate(args) -> int:
     if args.json and not args.no_progress:  # text mode streams; --json shows a bar on stderr
         from tqdm import tqdm
 
-        bar = tqdm(total=args.max_new_tokens, desc=f"dspine {args.mode}", unit="tok", file=sys.stderr,
+        bar = tqdm(total=args.max_new_tokens, desc=f"generate ({args.mode})", unit="tok", file=sys.stderr,
                    mininterval=1.0, leave=False, dynamic_ncols=True)
 
     def on_cycle(req):
@@ -199,10 +199,10 @@ def add_generate_parser(sub) -> None:
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact")
     p.add_argument("--linear-backend", default="auto",
-                   help="the target's linear layers: auto (the faster of the two measured on this machine, "
-                        "cached) | aten (PyTorch's default) | onednn (weights pre-packed once; CPU)")
+                   help="the target's linear layers: auto (the default: the faster of the two measured on "
+                        "this machine, cached) | aten (PyTorch's own) | onednn (weights pre-packed once; CPU)")
     p.add_argument("--threads", type=nonneg_int, default=0,
-                   help="torch CPU threads (0 = torch's own default, every core)")
+                   help="torch CPU threads (default 0: torch's own choice, every core)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar or measurement notes on stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")

@@ -197,8 +197,13 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     if progress:
         import sys
 
+        from .tune.machine import busy_note
+
         print("dspine: measuring the cycle cost curve on this machine (once per target, drafter, dtype; "
               "cached) ...", file=sys.stderr, flush=True)
+        note = busy_note()
+        if note:
+            print(note, file=sys.stderr, flush=True)
     from .config import SamplingConfig
 
     V = target.vocab_size

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def resolve_target(name_or_path: str) -> Path | str:
         gguf_dir.mkdir(parents=True, exist_ok=True)
         gguf = _assemble_gguf(spec, gguf_dir / f"{spec.name}.gguf")
         print(f"dspine: converting {spec.name} GGUF to safetensors in {out_dir} (once) ...",
-              flush=True)
+              file=sys.stderr, flush=True)  # stdout carries `--json` output
         convert_gguf(gguf, out_dir)
         marker.write_text(json.dumps({"name": spec.name, "gguf_sha256": spec.sha256,
                                       "source": spec.hf_name}, indent=2))

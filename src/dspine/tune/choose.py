@@ -85,7 +85,12 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
             return Choice(key, hit["chosen"], hit.get("times_ms", {}), hit.get("reason", ""), True,
                           hit.get("errors", {}))
     if progress:
+        from .machine import busy_note
+
         print(f"dspine: measuring {what or key} on this machine (once; cached) ...", file=sys.stderr, flush=True)
+        note = busy_note()
+        if note:
+            print(note, file=sys.stderr, flush=True)
     timer = timer or measure
     times: dict[str, float | None] = {}
     errors: dict[str, str] = {}

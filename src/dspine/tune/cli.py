@@ -37,14 +37,23 @@ def cmd_tune(args) -> int:
     target, eng = build_engine(args.target, args.drafter, args.mode, args.dtype, device=args.device,
                                verify_policy="fixed", progress=not args.json)
     prop = eng.proposer
+    from ..runtime.packed import apply_linear_backend, choose_linear_backend
+
+    lb = choose_linear_backend(target, redo=args.redo, progress=not args.json)
+    apply_linear_backend(target, lb.chosen, progress=False)
+    report["linear_backend"] = lb.to_dict()
+    say("\ntarget linear layers (one-token step + 16-token verification; --linear-backend auto):")
+    say(f"  -> {lb.chosen:<9} ({_fmt(lb.times_ms) or lb.reason}){' [cached]' if lb.cached else ''}")
     if prop is not None:
         cp = plan_candidate_pass(prop.drafter.head, prop.drafter.fc.weight.dtype, "auto", progress=not args.json)
         prop.qhead = cp
         report["candidate_pass"] = {f"rows<={b}": c.to_dict() for b, c in cp.choices.items()}
-        say("\ncandidate pass (drafter head, coarse top-k; per row bucket):")
+        say("\ncandidate pass (the drafter scores all vocabulary tokens to pick its candidates; "
+            "kernel per number of rows scored at once; --head-kernel auto):")
         for b, c in cp.choices.items():
             say(f"  rows<={b:<3} -> {c.chosen:<9} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
-    say("\ntarget dtype for batched work (`dspine data build`, feature extraction; --dtype auto):")
+    say("\ntarget dtype for batched work (`dspine data build --dtype auto`, `dspine train features "
+        "--compute-dtype auto`; decoding itself stays float32 unless --dtype says otherwise):")
     report["batched_dtype"] = {}
     for name, b, L, dec in (("data build decode step", args.data_batch, 64, True),
                             ("feature extraction forward", 4, 128, False)):
@@ -55,12 +64,14 @@ def cmd_tune(args) -> int:
         curve = measure_cost(target, prop, n_max=prop.block_size - 1, progress=not args.json)
         report["cost_curve_ms"] = {"verify": [round(v * 1e3, 2) for v in curve.verify_s],
                                    "propose": [round(v * 1e3, 2) for v in (curve.propose_s or [])]}
-        say("\ncycle cost curve (ms; n = drafted tokens verified; the cost policy starts from it):")
-        say("  verify  " + " ".join(f"{v * 1e3:.0f}" for v in curve.verify_s))
-        say("  propose " + " ".join(f"{v * 1e3:.0f}" for v in (curve.propose_s or [])))
+        say("\ncycle cost curve in ms (n = drafted tokens verified per cycle; n = 0 is a plain target "
+            "step; the default --verify-policy cost starts from it):")
+        say("  n       " + " ".join(f"{n:>4}" for n in range(curve.n_max + 1)))
+        say("  verify  " + " ".join(f"{v * 1e3:>4.0f}" for v in curve.verify_s))
+        say("  draft   " + " ".join(f"{v * 1e3:>4.0f}" for v in (curve.propose_s or [])))
         ratio = curve.cycle_s(curve.n_max) / curve.cycle_s(0)
-        say(f"  a full block ({curve.n_max} drafted) costs {ratio:.2f} plain steps: drafting pays "
-            f"when tau exceeds that")
+        say(f"  a full block ({curve.n_max} drafted) costs {ratio:.2f} plain steps: it pays when the "
+            f"drafter's tau (tokens per cycle) exceeds that")
         report["full_block_in_plain_steps"] = round(ratio, 3)
     if args.json:
         print(json.dumps(report, default=str))

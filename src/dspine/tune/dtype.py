@@ -68,12 +68,22 @@ def choose_forward_dtype(target, batch: int, length: int, decode: bool, *, redo:
             return Choice(key, hit["chosen"], hit.get("times_ms", {}), hit.get("reason", ""), True)
     V = target.vocab_size
     ids = (torch.arange(batch * length).view(batch, length) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)
-    # each alternative's model copy is built before timing (a copy's build is not its speed)
-    alts = {n: _alternative(target.model, getattr(torch, n), ids.to(target.device), decode)
-            for n in FORWARD_DTYPES}
-    return choose_fastest(key, alts, timer=timer, redo=True, progress=progress, repeats=2,
-                          what=f"the target's dtype for batched {'decoding' if decode else 'forwards'} "
-                               f"({batch}x{length} tokens)")
+    from ..runtime.packed import is_packed, pack_linears, unpack_linears
+
+    repack = is_packed(target.model)  # batched work runs PyTorch's linears; packed weights cannot be copied
+    if repack:
+        unpack_linears(target.model)
+    try:
+        # each alternative's model copy is built before timing (a copy's build is not its speed)
+        alts = {n: _alternative(target.model, getattr(torch, n), ids.to(target.device), decode)
+                for n in FORWARD_DTYPES}
+        return choose_fastest(key, alts, timer=timer, redo=True, progress=progress, repeats=2,
+                              what=f"the target's dtype for batched {'decoding' if decode else 'forwards'} "
+                                   f"({batch}x{length} tokens)")
+    finally:
+        if repack:
+            pack_linears(target.model)
+
 
 
 def resolve_dtype(name: str, target, batch: int, length: int, decode: bool, progress: bool = True) -> str:

@@ -73,3 +73,38 @@ def describe(device: str | torch.device = "cpu") -> str:
     i = machine_info(device)
     gpu = f", {i['gpu']}" if "gpu" in i else ""
     return f"{i['cpu_model']} ({i['isa']}), {i['threads']} threads, torch {i['torch']}{gpu}"
+
+
+def others_cpu_load(interval_s: float = 0.3) -> float | None:
+    """Cores kept busy by *other* processes over ``interval_s`` seconds (this process's own
+    CPU time subtracted), from /proc/stat and /proc/self/stat; None where unavailable.
+    A measurement taken while this is high is noted (it times a busy machine)."""
+    import time
+
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v), sum(v) - idle, int(st[11]) + int(st[12])
+    try:
+        t0, b0, s0 = snap()
+        time.sleep(interval_s)
+        t1, b1, s1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    ncpu = os.cpu_count() or 1
+    if t1 <= t0:
+        return None
+    return max(0.0, ((b1 - b0) - (s1 - s0)) / (t1 - t0) * ncpu)
+
+
+def busy_note(threshold_cores: float = 0.5) -> str | None:
+    """A warning line when other processes keep more than ``threshold_cores`` cores busy."""
+    load = others_cpu_load()
+    if load is None or load <= threshold_cores:
+        return None
+    return (f"dspine: note: other processes keep ~{load:.1f} of {os.cpu_count()} cores busy; this "
+            f"measurement may be off (the cost policy corrects its curve while decoding; "
+            f"`dspine tune --redo` on an idle machine measures again)")
