@@ -284,3 +284,62 @@ def test_generate_threads_and_kernels_in_json(capsys):
     k = json.loads(cap.out)["stats"]["kernels"]
     assert k["threads"] == 1 and k["verify_policy"] == "cost" and k["linear_backend"] == "aten"
     assert set(k["candidate_pass"]) == {f"rows<={b}" for b in ROW_BUCKETS}
+
+
+# -- damaged caches, unwritable homes, bad settings (adversarial findings) -----------------------
+
+@pytest.mark.parametrize("entry", [[1, 2], "float32", {"chosen": ["a"]}, {"chosen": "a", "times_ms": [1, 2]},
+                                   {"chosen": "a", "times_ms": {"a": "fast"}}, {"chosen": "zz", "times_ms": {}}])
+def test_damaged_entries_are_measured_again(disk_cache, entry):
+    store.put("t:damaged", entry)
+    c = choose_fastest("t:damaged", {"a": lambda: None, "b": lambda: None}, timer=fake_timer({"a": 3.0, "b": 1.0}))
+    assert c.chosen == "b" and not c.cached
+
+
+def test_unwritable_cache_keeps_results_in_memory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "tune").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DSPINE_TUNE", "on")
+    store._WARNED.clear()
+    c = choose_fastest("t:ro", {"a": lambda: None}, timer=fake_timer({"a": 1.0}))
+    assert c.chosen == "a"
+    assert "not cached on disk" in capsys.readouterr().err
+    again = choose_fastest("t:ro", {"a": lambda: None}, timer=fake_timer({"a": 1.0}))
+    assert again.cached  # kept for this process
+
+
+def test_unusable_dspine_home_is_a_clear_error(tmp_path, monkeypatch):
+    from dspine.assets import dspine_home
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "f" / "sub"))
+    with pytest.raises(ValueError, match="DSPINE_HOME .* cannot be created"):
+        dspine_home()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["tune", "--threads", "-1"], "--threads"),
+    (["tune", "--data-batch", "0"], "--data-batch"),
+    (["generate", "hi", "--threads", "100000"], "--threads"),
+    (["bench", "--threads", "100000"], "--threads"),
+])
+def test_bad_tune_and_thread_settings(capsys, argv, needle):
+    from dspine.cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_data_build_auto_dtype(tmp_path, tiny256):
+    """--dtype auto (the default) measures on a fresh --out and keeps the manifest's on --resume."""
+    from dspine.data import build as B
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "d"
+    man = B.build_dataset("random:llama", [str(src)], out, max_new_tokens=4, batch_size=2, dtype="auto",
+                          progress=False)
+    first = man["sampling"]["dtype"]
+    assert first in ("float32", "bfloat16")
+    man = B.build_dataset("random:llama", [str(src)], out, max_new_tokens=4, batch_size=2, dtype="auto",
+                          progress=False, resume=True)
+    assert man["sampling"]["dtype"] == first

@@ -31,6 +31,23 @@ def nonneg_int(text: str) -> int:
     return v
 
 
+#: ``--threads`` above this many per CPU core is refused (a mistyped huge count makes the
+#: OpenMP/BLAS runtimes try to start that many threads and crash the process).
+MAX_THREADS_PER_CORE = 4
+
+
+def thread_count(text: str) -> int:
+    """``--threads``: 0 (the library's own default) .. 4 x the CPU cores."""
+    import os
+
+    v = nonneg_int(text)
+    cap = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+    if v > cap:
+        raise argparse.ArgumentTypeError(f"must be 0 .. {cap} ({MAX_THREADS_PER_CORE} x the {os.cpu_count()} "
+                                         f"CPU cores), got {text!r}")
+    return v
+
+
 def seed_int(text: str) -> int:
     """A random seed 0 .. 2**63 - 1 (what ``torch.Generator.manual_seed`` takes without wrapping)."""
     v = _int(text)

@@ -76,7 +76,11 @@ WHEELS: dict[str, WheelPin] = {
 def dspine_home() -> Path:
     """Cache root: ``$DSPINE_HOME`` or ``~/.cache/dspine`` (created on demand)."""
     root = Path(os.environ.get("DSPINE_HOME", Path.home() / ".cache" / "dspine")).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"DSPINE_HOME {root} cannot be created ({type(e).__name__}: {e}); "
+                         f"set DSPINE_HOME to a writable folder") from None
     return root
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import nonneg_int, positive_int, seed_int
+from .argtypes import nonneg_int, positive_int, seed_int, thread_count
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
@@ -201,7 +201,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--linear-backend", default="auto",
                    help="the target's linear layers: auto (the default: the faster of the two measured on "
                         "this machine, cached) | aten (PyTorch's own) | onednn (weights pre-packed once; CPU)")
-    p.add_argument("--threads", type=nonneg_int, default=0,
+    p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's own choice, every core)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar or measurement notes on stderr")

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import nonneg_int, positive_int, seed_int
+from ..argtypes import nonneg_int, positive_int, seed_int, thread_count
 from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
 from .workloads import parse_workloads
 
@@ -100,7 +100,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target name or path (default smollm2-135m)")
     p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16, for every mode (others are refused by the guards)")
     p.add_argument("--device", default=None, help="cpu (default) | cuda")
-    p.add_argument("--threads", type=nonneg_int, default=None, help="torch CPU threads (default: torch's own, every core; smoke 1)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's own, every core; smoke 1)")
     p.add_argument("--modes", default=None, help="comma list of ar,dflash,dspine,hf,hf-pld or all (default all)")
     p.add_argument("--drafter", default=None, help="drafter for both speculative modes: 'random' or a directory")
     p.add_argument("--drafter-dspine", default=None, help="dspine checkpoint dir or 'random' (default: shipped)")

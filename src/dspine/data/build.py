@@ -168,6 +168,7 @@ def _auto_dtype(target: str, out_dir, resume: bool, batch_size: int, progress: b
     old = (man or {}).get("sampling", {}).get("dtype")
     if old in ("float32", "bfloat16", "float16"):
         return old
+    from ..target import load_target
     from ..tune.dtype import choose_forward_dtype
 
     probe = load_target(target, dtype="float32")

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import nonneg_int, positive_int
+from ..argtypes import nonneg_int, positive_int, thread_count
 from .build import MANIFEST, build_dataset, parse_shard, read_manifest
 
 
@@ -23,7 +23,7 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
                         "on this machine (cached; `dspine tune`), or the dtype of the rows already "
                         "in --out when resuming")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
-    p.add_argument("--threads", type=nonneg_int, default=None, help="torch CPU threads (default: all)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: all)")
     p.add_argument("--resume", action="store_true", help="continue a directory, skipping done ids")
     p.add_argument("--shard", default="0/1",
                    help="k/N: build only prompts i %% N == k of the stream (N processes, N --out dirs)")

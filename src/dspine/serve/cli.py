@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from ..argtypes import nonneg_float, nonneg_int, port_number, seed_int
+from ..argtypes import nonneg_float, nonneg_int, port_number, seed_int, thread_count
 
 
 def cmd_serve(args) -> int:
@@ -104,7 +104,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
                         "int8 | bfloat16 | exact")
-    p.add_argument("--threads", type=nonneg_int, default=0,
+    p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's default, one per core)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)

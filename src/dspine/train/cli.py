@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import nonneg_int, positive_float, positive_int, seed_int, unit_float
+from ..argtypes import nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
@@ -393,7 +393,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--save-every", type=positive_int, default=100)
     p.add_argument("--eval-every", type=nonneg_int, default=0)
     p.add_argument("--eval-prompts", type=nonneg_int, default=4)
-    p.add_argument("--threads", type=nonneg_int, default=0)
+    p.add_argument("--threads", type=thread_count, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default=None,
                    help="warm-start weights from a drafter checkpoint dir (same config); ignored on --resume")
@@ -413,7 +413,7 @@ def add_train_parser(sub) -> None:
     f.add_argument("--reuse", nargs="+", default=None, metavar="STORE",
                    help="older feature stores of the same target/layers/max-len: copy the rows of "
                         "sequences they hold instead of recomputing (after growing the data)")
-    f.add_argument("--threads", type=nonneg_int, default=0)
+    f.add_argument("--threads", type=thread_count, default=0)
     f.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="dtype the target runs in (rows are stored in bfloat16 either way); auto: the "
                         "faster of the two measured on this machine (cached)")

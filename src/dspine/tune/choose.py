@@ -59,6 +59,21 @@ def measure(name: str, fn: Callable[[], object], repeats: int = 3, cap_s: float 
     return statistics.median(ts)
 
 
+def cached_choice(key: str, names, device="cpu") -> Choice | None:
+    """The cached :class:`Choice` for ``key`` when it is well-formed (its choice one of
+    ``names``, times numbers or None), else None (a damaged entry is measured again)."""
+    hit = store.get(key, device)
+    if hit is None:
+        return None
+    chosen, times = hit.get("chosen"), hit.get("times_ms", {})
+    if not isinstance(chosen, str) or chosen not in names or not isinstance(times, dict) \
+            or not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in times.values()):
+        return None
+    errors = hit.get("errors") if isinstance(hit.get("errors"), dict) else {}
+    reason = hit.get("reason") if isinstance(hit.get("reason"), str) else ""
+    return Choice(key, chosen, times, reason, True, errors)
+
+
 def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, repeats: int = 3,
                    cutoff: float = 4.0, timer: Timer | None = None, device="cpu", redo: bool = False,
                    progress: bool = False, what: str = "") -> Choice:
@@ -80,10 +95,9 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
     if not alternatives:
         raise ValueError(f"tune {key}: no alternatives to choose from")
     if not redo:
-        hit = store.get(key, device)
-        if hit and hit.get("chosen") in alternatives:
-            return Choice(key, hit["chosen"], hit.get("times_ms", {}), hit.get("reason", ""), True,
-                          hit.get("errors", {}))
+        hit = cached_choice(key, alternatives, device)
+        if hit is not None:
+            return hit
     if progress:
         from .machine import busy_note
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import sys
 
+from ..argtypes import positive_int, thread_count
+
 
 def _fmt(times: dict) -> str:
-    return ", ".join(f"{k} {'failed' if v is None else f'{v:.2f} ms'}" for k, v in times.items())
+    return ", ".join(f"{k} {f'{v:.2f} ms' if isinstance(v, (int, float)) else 'failed'}" for k, v in times.items())
 
 
 def cmd_tune(args) -> int:
@@ -35,7 +37,9 @@ def cmd_tune(args) -> int:
     say(f"machine: {describe(args.device)}")
     say(f"cache:   {report['cache']}")
     target, eng = build_engine(args.target, args.drafter, args.mode, args.dtype, device=args.device,
-                               verify_policy="fixed", progress=not args.json)
+                               verify_policy="fixed", progress=not args.json,
+                               head_kernel="exact")  # measured below, where the table shows it
+
     prop = eng.proposer
     from ..runtime.packed import apply_linear_backend, choose_linear_backend
 
@@ -69,7 +73,7 @@ def cmd_tune(args) -> int:
         say("  n       " + " ".join(f"{n:>4}" for n in range(curve.n_max + 1)))
         say("  verify  " + " ".join(f"{v * 1e3:>4.0f}" for v in curve.verify_s))
         say("  draft   " + " ".join(f"{v * 1e3:>4.0f}" for v in (curve.propose_s or [])))
-        ratio = curve.cycle_s(curve.n_max) / curve.cycle_s(0)
+        ratio = curve.cycle_s(curve.n_max) / max(curve.cycle_s(0), 1e-12)
         say(f"  a full block ({curve.n_max} drafted) costs {ratio:.2f} plain steps: it pays when the "
             f"drafter's tau (tokens per cycle) exceeds that")
         report["full_block_in_plain_steps"] = round(ratio, 3)
@@ -86,8 +90,8 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (the decoding dtype to measure)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's own default)")
-    p.add_argument("--data-batch", type=int, default=32, help="batch of `dspine data build` to measure at")
+    p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0 = torch's own default)")
+    p.add_argument("--data-batch", type=positive_int, default=32, help="batch of `dspine data build` to measure at")
     p.add_argument("--redo", action="store_true", help="forget this machine's cached choices and measure again")
     p.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
     p.set_defaults(func=cmd_tune)

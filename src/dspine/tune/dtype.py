@@ -61,11 +61,11 @@ def choose_forward_dtype(target, batch: int, length: int, decode: bool, *, redo:
            f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')},"
            f"b={batch},L={length}")
     if not redo:
-        from . import store
+        from .choose import cached_choice
 
-        hit = store.get(key)
-        if hit and hit.get("chosen") in FORWARD_DTYPES:
-            return Choice(key, hit["chosen"], hit.get("times_ms", {}), hit.get("reason", ""), True)
+        hit = cached_choice(key, FORWARD_DTYPES)
+        if hit is not None:
+            return hit
     V = target.vocab_size
     ids = (torch.arange(batch * length).view(batch, length) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)
     from ..runtime.packed import is_packed, pack_linears, unpack_linears

@@ -24,8 +24,21 @@ def enabled() -> bool:
     return os.environ.get("DSPINE_TUNE", "on").lower() not in ("off", "0", "no", "false")
 
 
+_WARNED: set[str] = set()
+
+
+def _note(msg: str) -> None:
+    """One stderr note per distinct message (a cache that cannot be written is not fatal)."""
+    import sys
+
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        print(f"dspine: note: {msg}", file=sys.stderr, flush=True)
+
+
 def path(device="cpu") -> Path:
-    """The cache file of this machine (not created)."""
+    """The cache file of this machine (not created). Raises OSError / ValueError when
+    ``$DSPINE_HOME`` cannot be created."""
     from ..assets import dspine_home
 
     return dspine_home() / "tune" / f"{machine_key(device)}.json"
@@ -36,19 +49,20 @@ def load(device="cpu") -> dict:
     A missing or unreadable file gives an empty cache (it is re-measured, not an error)."""
     if not enabled():
         return _MEMORY.setdefault(str(machine_key(device)), {"machine": machine_info(device), "entries": {}})
-    p = path(device)
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(path(device).read_text())
         if isinstance(data, dict) and isinstance(data.get("entries"), dict):
             return data
     except (OSError, ValueError):
         pass
-    return {"machine": machine_info(device), "entries": {}}
+    return _MEMORY.setdefault("disk:" + machine_key(device), {"machine": machine_info(device), "entries": {}})
 
 
 def get(key: str, device="cpu") -> dict | None:
-    """The cached entry for ``key`` on this machine, or None."""
-    return load(device)["entries"].get(key)
+    """The cached entry for ``key`` on this machine, or None (also for an entry that is
+    not a JSON object: a damaged cache is measured again, never trusted)."""
+    e = load(device)["entries"].get(key)
+    return e if isinstance(e, dict) else None
 
 
 def put(key: str, entry: dict, device="cpu") -> None:
@@ -59,11 +73,23 @@ def put(key: str, entry: dict, device="cpu") -> None:
         data["entries"][key] = entry
         if not enabled():
             return
+        _write(data, device)
+
+
+def _write(data: dict, device) -> None:
+    """Atomic write of the cache file; a cache that cannot be written (read-only
+    ``$DSPINE_HOME``, a file in the way) leaves the result in memory for this process
+    and says so once on stderr."""
+    try:
         p = path(device)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         tmp.replace(p)
+    except (OSError, ValueError) as e:
+        _MEMORY["disk:" + machine_key(device)] = data
+        _note(f"measured choices are not cached on disk ({type(e).__name__}: {e}); "
+              f"set DSPINE_HOME to a writable folder to keep them")
 
 
 def clear(device="cpu", prefix: str = "") -> int:
@@ -73,8 +99,6 @@ def clear(device="cpu", prefix: str = "") -> int:
         gone = [k for k in data["entries"] if k.startswith(prefix)]
         for k in gone:
             del data["entries"][k]
-        if enabled() and path(device).exists():
-            tmp = path(device).with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            tmp.replace(path(device))
+        if enabled() and gone:
+            _write(data, device)
         return len(gone)
