@@ -154,6 +154,8 @@ def _verify_support_only(tokens, q_probs, q_ids, logits, sampling, gen):
     return Verdict(n, sample_index(p[n], uniform(gen)))
 
 
+@pytest.mark.slow  # ~3.5 min on an AVX2-only 2-core CPU; the enumeration negative controls of
+# tests/test_distribution.py and tests/test_runtime.py stay in the default suite
 def test_shipped_dspine_negative_control(smol, shipped, exact, monkeypatch):
     prompt, cells, P = exact
     _patch_verify(monkeypatch, _verify_support_only)
