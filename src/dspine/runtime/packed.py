@@ -21,6 +21,8 @@ more for SmolLM2-135M in float32.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -140,12 +142,11 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
             with torch.no_grad():
                 cache = target.new_cache()
                 target.forward(ids[:, :context], cache, None, logits_to_keep=1)
-                import time as _t
-                t0 = _t.perf_counter()
+                t0 = time.perf_counter()
                 target.forward(ids[:, context:context + 1], cache, None)
                 cache.rollback(context)
                 target.forward(ids[:, context:context + 16], cache, None)
-                return _t.perf_counter() - t0
+                return time.perf_counter() - t0
         return call
 
     def timed(name, fn, repeats, cap):  # time only the two decode-side forwards, not the prefill

@@ -85,7 +85,6 @@ def choose_forward_dtype(target, batch: int, length: int, decode: bool, *, redo:
             pack_linears(target.model)
 
 
-
 def resolve_dtype(name: str, target, batch: int, length: int, decode: bool, progress: bool = True) -> str:
     """``name`` unless it is ``auto``; then the measured :func:`choose_forward_dtype`."""
     if name != "auto":
