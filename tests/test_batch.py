@@ -191,7 +191,7 @@ def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_gree
     the other requests of the same cycles keep the exact single-request outputs and
     every cache is freed. Before, one such request failed the whole batch."""
     import dspine.batch as batch_mod
-    import dspine.draft as draft_mod
+    import dspine.proposers.drafter as draft_mod
     import dspine.engine as engine_mod
 
     bad = {"gen": None, "calls": 0}
@@ -239,7 +239,7 @@ def test_retried_batched_draft_keeps_every_sampled_output(target, prompts, spec,
     """A batched drafter call that fails part-way (here the final-stage chain of one
     request, once) is retried one request at a time from the generators' saved states,
     so every seeded sampled output still equals its single-request run."""
-    import dspine.draft as draft_mod
+    import dspine.proposers.drafter as draft_mod
 
     samp = [SamplingConfig(temperature=0.8, seed=7 + i) for i in range(4)]
     single = [spec.generate(p, s, m).token_ids for p, s, m in zip(prompts[:4], samp, LENS[:4])]

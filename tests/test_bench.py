@@ -359,7 +359,8 @@ def test_smoke_cli(tmp_path):
     issue 4 asks; its wall time is recorded in summary.json, not asserted here)."""
     assert main(["bench", "--smoke", "--out", str(tmp_path), "--no-progress"]) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["modes"] == ["ar", "dspine", "dflash", "hf-pld"] and s["requests"] == 20
+    assert s["modes"] == ["ar", "dspine", "dflash", "ngram", "hf-pld"] and s["requests"] == 25
+    assert s["mode_info"]["dspine"]["proposer"] == "hybrid" and s["mode_info"]["ngram"]["proposer"] == "ngram"
     assert all(g["failures"] == 0 for g in s["results"])
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
     import hashlib

@@ -39,9 +39,9 @@ import torch
 
 from .batch_policy import BatchCostPolicy
 from .config import SamplingConfig
-from .draft import DrafterProposer, Proposal, propose_batch
-from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request
+from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request, _observe
 from .policy import CostModelPolicy
+from .proposers.base import Proposal
 from .sampling import sample_token
 from .verify import Verdict, verify
 
@@ -388,7 +388,7 @@ class BatchEngine:
         if bpol is None:
             ns0 = [eng._verification_length(r) for r in reqs]
         else:  # one n for the shared forward, priced at this batch size
-            ns0 = bpol.choose(reqs, [eng.max_verification_length(r) for r in reqs])
+            ns0 = bpol.choose(reqs, [eng.plan(r) for r in reqs])
         props = self._propose(reqs, ns0)
         draft_s = sum(p.draft_s for p in props)
         final_s = sum(p.final_s for p in props)
@@ -438,9 +438,11 @@ class BatchEngine:
             if eng.proposer is not None:  # committed for all requests at once below
                 f = feats[i, : a + 1] if feats is not None else torch.zeros(a + 1, 0)  # feature-less proposers
                 commits.append((req.draft_state, f, starts[i]))
+                _observe(eng.proposer, req.draft_state, ids[i, : a + 1].tolist(), starts[i])
             req.count_acceptance(n, a)
             new = [int(t) for t in p.tokens[:a]] + [verdict.token]
-            req.cycles.append(CycleRecord(n, a + 1, 0.0, 0.0, 0.0, 0.0, batched=True))  # times below
+            req.cycles.append(CycleRecord(n, a + 1, 0.0, 0.0, 0.0, 0.0, batched=True,
+                                          source=req.source))  # times below
             recs.append(req.cycles[-1])
             own_verify_s += tv - tc
             out[id(req)] = eng._emit(req, new)
@@ -469,17 +471,18 @@ class BatchEngine:
 
     # -- drafting ------------------------------------------------------------------------
     def _propose(self, reqs: list[Request], ns: list[int]) -> list[Proposal]:
-        """Proposals of every request (n_i = 0: none). One batched drafter forward when
-        the proposer is a :class:`DrafterProposer` and ``batch_draft`` is on."""
+        """Proposals of every request (n_i = 0: none). With ``batch_draft`` the proposer
+        gets all requests at once (:meth:`Proposer.propose_many`: one drafter forward for
+        the drafter's requests); if that raises, each request is retried alone, so only
+        the culprit fails."""
         empty = lambda: Proposal(torch.zeros(0, dtype=torch.long))  # noqa: E731
         idx = [i for i, n in enumerate(ns) if n > 0]
         prop = self.engine.proposer
-        if self.batch_draft and len(idx) > 1 and isinstance(prop, DrafterProposer) \
-                and all(reqs[i].draft_state.pos is not None for i in idx):
+        if self.batch_draft and len(idx) > 1 and hasattr(prop, "propose_many"):
             gens = [reqs[i].gen.get_state() for i in idx]  # a retry must redraw the same uniforms
             try:
-                got = propose_batch(prop, [reqs[i] for i in idx], [self.kv.lengths[i] for i in idx],
-                                    [ns[i] for i in idx])
+                got = prop.propose_many([reqs[i] for i in idx], [self.kv.lengths[i] for i in idx],
+                                        [ns[i] for i in idx])
             except Exception:  # noqa: BLE001 (retried one by one below: only a culprit fails)
                 got = None
                 for i, g in zip(idx, gens):

@@ -19,6 +19,21 @@ DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: off on this machine (plain target steps where none do), so the default never runs
 #: far slower than ``--mode ar`` (issue 19; docs/decisions.md).
 DEFAULT_VERIFY_POLICY = "cost"
+#: ``generate`` / ``serve`` / ``bench`` default proposer (issue 20; docs/decisions.md)
+DEFAULT_PROPOSER = "hybrid"
+
+
+def add_proposer_args(p: argparse.ArgumentParser) -> None:
+    """``--proposer``, ``--ngram-max``, ``--ngram-min`` (generate, serve, bench, acceptance)."""
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER, choices=["drafter", "ngram", "hybrid"],
+                   help="what proposes tokens: hybrid (the default: a copy of the request's own earlier "
+                        "text where its last tokens repeat, the drafter elsewhere, chosen per cycle before "
+                        "anything is drawn) | drafter (the drafter alone) | ngram (copies alone: prompt "
+                        "lookup, no drafter)")
+    p.add_argument("--ngram-max", type=positive_int, default=4,
+                   help="longest suffix of the context the copy proposer matches (tokens)")
+    p.add_argument("--ngram-min", type=positive_int, default=2,
+                   help="shortest suffix match that proposes a copy (tokens)")
 
 
 def default_drafter_path(target: str, mode: str) -> Path | None:
@@ -30,7 +45,8 @@ def default_drafter_path(target: str, mode: str) -> Path | None:
 def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = "float32",
                  block_size: int | None = None, seed: int = 0, device: str = "cpu",
                  verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
-                 progress: bool = False, persist: bool = False, linear_backend: str = "aten"):
+                 progress: bool = False, persist: bool = False, linear_backend: str = "aten",
+                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 2):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
@@ -40,7 +56,10 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     (:mod:`dspine.tune.head`). ``progress``: say on stderr when a one-time measurement
     runs. ``linear_backend``: the target's linear layers, ``aten`` (PyTorch's default),
     ``onednn`` (pre-packed weights) or ``auto`` (measured, :mod:`dspine.runtime.packed`);
-    every mode of one process gets the same. ``persist``: the cost policy starts from (and can save) the acceptance profile of
+    every mode of one process gets the same. ``proposer``: ``drafter`` (the drafter
+    alone), ``ngram`` (copies of the request's own text, no drafter) or ``hybrid`` (a
+    copy where the context repeats, the drafter elsewhere; :mod:`dspine.proposers`), with
+    ``ngram_max`` / ``ngram_min`` the longest / shortest suffix match. ``persist``: the cost policy starts from (and can save) the acceptance profile of
     earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
     runtime has not validated are refused
     before anything is loaded, and again against the loaded target/drafter
@@ -57,8 +76,14 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     from .policy import make_policy
     from .target import load_target, parse_dtype
 
+    from .proposers import PROPOSERS, make_proposer
+
     if mode not in MODES:
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
+    if proposer not in PROPOSERS:
+        raise EngineError(f"--proposer {proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
+    if not 1 <= ngram_min <= ngram_max:
+        raise EngineError(f"--ngram-min {ngram_min} must be in 1..--ngram-max ({ngram_max})")
     if device == "auto":  # as `dspine train --device auto`
         device = str(resolve_device("auto"))
     validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,
@@ -79,6 +104,13 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         validate_runtime(target, None, **guard)
         apply_linear_backend(target, linear_backend, progress=progress)  # after the guards' checks
         return target, Engine(target, None, "ar")
+    if proposer == "ngram":  # copies only: no drafter is loaded
+        validate_runtime(target, None, **guard)
+        apply_linear_backend(target, linear_backend, progress=progress)
+        prop = make_proposer("ngram", None, block_size=block_size or 16, ngram_max=ngram_max, ngram_min=ngram_min)
+        with torch.no_grad():
+            policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop, progress=progress)
+        return target, Engine(target, prop, mode, verify_policy=policy)
     if drafter is None:
         path = default_drafter_path(target_name, mode)
         if path is None:
@@ -96,10 +128,11 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     validate_runtime(target, model.cfg, block_size=block_size, **guard)
     apply_linear_backend(target, linear_backend, progress=progress)  # after the guards' checks
     with torch.no_grad():
-        proposer = DrafterProposer(model, head_kernel=head_kernel)
-        policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, proposer,
+        prop = make_proposer(proposer, DrafterProposer(model, head_kernel=head_kernel),
+                             ngram_max=ngram_max, ngram_min=ngram_min)
+        policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop,
                                                                    progress=progress, persist=persist)
-        return target, Engine(target, proposer, mode, verify_policy=policy)
+        return target, Engine(target, prop, mode, verify_policy=policy)
 
 
 def cmd_generate(args) -> int:
@@ -116,7 +149,8 @@ def cmd_generate(args) -> int:
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy or DEFAULT_VERIFY_POLICY,
                                   head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
-                                  linear_backend=args.linear_backend)
+                                  linear_backend=args.linear_backend, proposer=args.proposer,
+                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -168,6 +202,8 @@ def ignored_settings(args, sampling) -> list[str]:
             notes.append(f"{', '.join(set_)} ignored: --temperature 0 is greedy decoding")
     if args.mode == "ar" and (args.drafter is not None or args.block_size is not None):
         notes.append("--drafter / --block-size ignored: --mode ar runs the target alone")
+    if args.mode == "ar" and getattr(args, "proposer", None) not in (None, DEFAULT_PROPOSER):
+        notes.append(f"--proposer {args.proposer} ignored: --mode ar proposes nothing")
     if args.mode == "ar" and getattr(args, "verify_policy", None) not in (None, "fixed"):
         notes.append(f"--verify-policy {args.verify_policy} ignored: --mode ar verifies no drafted tokens")
     return notes
@@ -195,6 +231,7 @@ def add_generate_parser(sub) -> None:
                    help="cost (default: choose n per cycle by measured cost and past acceptance, down to "
                         "plain target steps when drafting does not pay on this machine; non-anticipating, "
                         "so sampling stays exact) | fixed (verify the whole block every cycle)")
+    add_proposer_args(p)
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact")

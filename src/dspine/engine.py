@@ -19,12 +19,15 @@ from typing import Callable
 import torch
 
 from .config import SamplingConfig
-from .draft import Proposal, Proposer
+from .proposers.base import Plan, Proposal, Proposer
 from .sampling import filter_probs, make_generator, sample_index, sample_token, uniform
 from .target import Target, TargetCache
 from .verify import Verdict, verify
 
 MODES = ("ar", "dflash", "dspine")
+#: labels an Engine accepts: the modes, and ``ngram`` (copies only, no drafter: the bench's own
+#: prompt-lookup row; on the command line it is ``--proposer ngram``)
+ENGINE_LABELS = MODES + ("ngram",)
 
 
 class EngineError(ValueError):
@@ -47,6 +50,8 @@ class CycleRecord:
     # the request waited for (every request's drafting, final stage and verification, the
     # shared forward as wide as the widest request), not this request's share
     batched: bool = False
+    # the proposer source of this cycle (``draft``, ``ngram``; "" for ``ar``), see Proposer.plan
+    source: str = ""
 
 
 @dataclass
@@ -75,6 +80,8 @@ class GenerationStats:
     # what ran: target dtype and threads, the verification policy, the drafter's
     # candidate-pass kernel per row bucket (measured choices, dspine.tune)
     kernels: dict = field(default_factory=dict)
+    # per proposer source (``draft``, ``ngram``): cycles, proposals verified, accepted, tokens emitted
+    sources: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +107,7 @@ class Request:
     cycles: list[CycleRecord] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    source: str = ""  # this cycle's proposer source, set by Engine.plan before the policy runs
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
@@ -136,6 +144,28 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # ru_maxrss is KiB on Linux
 
 
+def _observe(proposer, state, tokens: list[int], start_pos: int) -> None:
+    """Tell ``proposer`` the token ids it committed (proposers without ``observe`` skip)."""
+    obs = getattr(proposer, "observe", None)
+    if obs is not None:
+        obs(state, tokens, start_pos)
+
+
+def source_stats(cycles: list[CycleRecord]) -> dict:
+    """Per proposer source: cycles, proposals verified, proposals accepted, tokens emitted
+    (the bonus/correction included) and tau of that source's cycles."""
+    out: dict[str, dict] = {}
+    for c in cycles:
+        d = out.setdefault(c.source or "none", {"cycles": 0, "proposed": 0, "accepted": 0, "emitted": 0})
+        d["cycles"] += 1
+        d["proposed"] += c.n
+        d["accepted"] += c.emitted - 1
+        d["emitted"] += c.emitted
+    for d in out.values():
+        d["tau"] = d["emitted"] / d["cycles"]
+    return out
+
+
 def _features(out, k: int) -> torch.Tensor:
     """Features [k, F*d] of the first k positions of a forward; [k, 0] when none were captured."""
     if out.features is None:
@@ -158,7 +188,7 @@ class Engine:
 
     def __init__(self, target: Target, proposer: Proposer | None = None, mode: str = "dspine",
                  verify_policy: Callable[[Request, int], int] | None = None):
-        if mode not in MODES:
+        if mode not in ENGINE_LABELS:
             raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
         if mode != "ar" and proposer is None:
             raise EngineError(f"--mode {mode} needs a drafter")
@@ -199,6 +229,7 @@ class Engine:
         req.cache.rollback(len(prompt_ids))
         if self.proposer is not None:
             self.proposer.commit(req.draft_state, _features(out, len(prompt_ids)), 0)
+            _observe(self.proposer, req.draft_state, list(prompt_ids), 0)
         first = sample_token(out.logits[0, -1], sampling, req.gen)
         req.t_first = time.perf_counter()
         self._emit(req, [first])
@@ -212,8 +243,22 @@ class Engine:
         remaining = req.max_new_tokens - len(req.out_ids)
         return max(0, min(self.proposer.block_size - 1, remaining - 1))
 
-    def _verification_length(self, req: Request) -> int:
+    def plan(self, req: Request) -> int:
+        """Ask the proposer what this cycle proposes (:meth:`Proposer.plan`, from the
+        committed context and the anchor only); set ``req.source`` and return the most
+        proposals it can verify (<= :meth:`max_verification_length`)."""
         n_max = self.max_verification_length(req)
+        if self.proposer is None:
+            req.source = ""
+            return 0
+        planner = getattr(self.proposer, "plan", None)  # proposers without plan(): one source
+        plan = planner(req.draft_state, req.anchor, n_max) if planner is not None and n_max > 0 \
+            else Plan(getattr(self.proposer, "source", "draft"), n_max)
+        req.source = plan.source
+        return max(0, min(n_max, int(plan.max_n)))
+
+    def _verification_length(self, req: Request) -> int:
+        n_max = self.plan(req)
         if self.verify_policy is not None and n_max > 0:
             n = int(self.verify_policy(req, n_max))
             return max(0, min(n, n_max))
@@ -234,6 +279,7 @@ class Engine:
         else:
             prop = Proposal(torch.zeros(0, dtype=torch.long))
         n = int(prop.tokens.shape[0])
+        source = req.source
         t1 = time.perf_counter()
         ids = torch.cat([torch.tensor([req.anchor]), prop.tokens.cpu()])[None].to(self.target.device)
         out = self.target.forward(ids, req.cache, self.feature_layers)  # logits [1, n+1, V]
@@ -254,10 +300,11 @@ class Engine:
         commit_s = 0.0
         if self.proposer is not None:
             self.proposer.commit(req.draft_state, _features(out, keep), pos)
+            _observe(self.proposer, req.draft_state, ids[0, :keep].tolist(), pos)
             commit_s = time.perf_counter() - t2
         req.count_acceptance(n, a)
         req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s,
-                                      (t2 - t1), time.perf_counter() - t0))
+                                      (t2 - t1), time.perf_counter() - t0, source=source))
         return emitted
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
@@ -332,7 +379,9 @@ class Engine:
     def kernel_info(self) -> dict:
         """What this engine runs: target dtype, device and threads, the verification
         policy, and the proposer's kernels (``Proposer.kernel_info`` when it has one)."""
-        info = {"target_dtype": str(self.target.dtype).replace("torch.", ""),
+        info = {"proposer": getattr(self.proposer, "kernel_info", dict)().get("proposer", "drafter")
+                if self.proposer is not None else None,
+                "target_dtype": str(self.target.dtype).replace("torch.", ""),
                 "linear_backend": getattr(self.target, "linear_backend", "aten"),
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
                 "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None}
@@ -357,5 +406,6 @@ class Engine:
         st.peak_memory_bytes = _peak_memory_bytes(self.target.device)
         st.verification_lengths = [c.n for c in req.cycles]
         st.kernels = self.kernel_info()
+        st.sources = source_stats(req.cycles)
         return GenerationResult(self.text_of(req), list(req.out_ids), self.mode,
                                 req.finish_reason or "length", st)

@@ -340,6 +340,8 @@ class CostModelPolicy(VerifyPolicy):
             completed single-request cycles (see the module docstring; a batched cycle's
             shared forward is not one request's cost); False keeps the curve as measured.
         cost_half_life: decay, in observed cycles, of those measured times.
+        source: count only cycles of this proposer source (``CycleRecord.source``); None
+            counts every cycle. :class:`PerSourcePolicy` keeps one policy per source.
     """
 
     name = "cost"
@@ -347,7 +349,8 @@ class CostModelPolicy(VerifyPolicy):
 
     def __init__(self, cost: CostCurve, prior_accept: float = 0.6, prior_weight: float = 2.0,
                  half_life: float = 64.0, global_half_life: float = 1024.0, global_weight_cap: float = 16.0,
-                 explore_every: int = 16, observe_costs: bool = True, cost_half_life: float = 64.0):
+                 explore_every: int = 16, observe_costs: bool = True, cost_half_life: float = 64.0,
+                 source: str | None = None):
         if not 0.0 <= prior_accept <= 1.0:
             raise ValueError(f"prior_accept must be in [0, 1], got {prior_accept}")
         if explore_every < 0:
@@ -365,6 +368,7 @@ class CostModelPolicy(VerifyPolicy):
         self.obs_sum = [0.0] * (cost.n_max + 1)  # decayed sum of measured cycle times (s) per n
         self.obs_w = [0.0] * (cost.n_max + 1)  # decayed count per n
         self.profile_key: str | None = None  # set by make_policy(persist=True)
+        self.source = source  # only cycles of this proposer source count (None: every cycle)
 
     # cycle cost ----------------------------------------------------------------------------
     def observe(self, n: int, seconds: float) -> None:
@@ -402,6 +406,8 @@ class CostModelPolicy(VerifyPolicy):
         if st is None:
             st = states[self] = _RequestState(self.half_life)
         for c in req.cycles[st.seen:]:  # completed cycles only: never this cycle's draws
+            if self.source is not None and getattr(c, "source", self.source) != self.source:
+                continue  # another source's cycle (PerSourcePolicy): its own policy counts it
             a = max(0, int(c.emitted) - 1)
             st.stats.update(int(c.n), a)
             self.pooled.update(int(c.n), a)
@@ -501,6 +507,56 @@ class CostModelPolicy(VerifyPolicy):
         return n
 
 
+class PerSourcePolicy(VerifyPolicy):
+    """One :class:`CostModelPolicy` per proposer source (issue 20's hybrid).
+
+    A copied continuation and a drafter's block are accepted at very different rates and
+    cost differently (a copy needs no drafter forward), so each source keeps its own
+    acceptance statistics, observed cycle costs and cost curve; the engine sets
+    ``request.source`` from :meth:`Proposer.plan` (before any draw) and this policy asks
+    that source's policy. Non-anticipating like its parts.
+
+    Args:
+        policies: source name -> its policy (each built with ``source=`` that name).
+        default: the source asked when a request's source has no policy of its own; its
+            policy's acceptance profile is the one persisted.
+    """
+
+    name = "cost"
+
+    def __init__(self, policies: dict[str, CostModelPolicy], default: str):
+        if default not in policies:
+            raise ValueError(f"PerSourcePolicy default {default!r} is not among {sorted(policies)}")
+        self.policies, self.default = dict(policies), default
+
+    @property
+    def profile_key(self) -> str | None:
+        return self.policies[self.default].profile_key
+
+    @property
+    def cost(self) -> CostCurve:
+        """The default source's measured cost curve (the drafter's)."""
+        return self.policies[self.default].cost
+
+    def save_profile(self, key: str, device: str = "cpu") -> None:
+        self.policies[self.default].save_profile(key, device)
+
+    @property
+    def decisions(self) -> list[int]:
+        return [n for p in self.policies.values() for n in p.decisions]
+
+    def __call__(self, req, n_max: int) -> int:
+        src = getattr(req, "source", "") or self.default
+        return self.policies.get(src, self.policies[self.default])(req, n_max)
+
+
+def copy_cost(curve: CostCurve) -> CostCurve:
+    """``curve`` for a proposer that drafts for free (copies): the target's verification
+    only; the cost of looking a match up is in the observed cycle times."""
+    return CostCurve(list(curve.verify_s), 0.0, 0.0, meta={**curve.meta, "proposer": "copy"},
+                     propose_s=[0.0] * len(curve.verify_s))
+
+
 def profile_key(target, proposer) -> str | None:
     """Key of the persisted acceptance profile of ``target`` + ``proposer`` (a digest of
     the drafter's config and weights, the target's name and dtype), or None for
@@ -512,11 +568,22 @@ def profile_key(target, proposer) -> str | None:
         return None
     h = hashlib.sha256(drafter.cfg.to_json().encode())
     h.update(f"{target.name}|{target.dtype}|{target.vocab_size}".encode())
+    if getattr(proposer, "ngram", None) is not None:  # a hybrid's drafter sees only non-copy contexts
+        h.update(b"|hybrid")
     with torch.no_grad():
         for name, p in sorted(drafter.named_parameters()):
             h.update(name.encode())
             h.update(p.detach().flatten()[:256].float().cpu().numpy().tobytes())
     return "profile:" + h.hexdigest()[:20]
+
+
+def _sources(proposer) -> list[str]:
+    """The proposer sources a policy has to price, the drafter's (default) first."""
+    if proposer is None:
+        return ["draft"]
+    if getattr(proposer, "ngram", None) is not None and getattr(proposer, "drafter_proposer", None) is not None:
+        return [getattr(proposer.drafter_proposer, "source", "draft"), "ngram"]
+    return [getattr(proposer, "source", "draft")]
 
 
 def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
@@ -538,10 +605,17 @@ def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
                 raise ValueError("--verify-policy cost needs a target to measure the cost curve")
             if n_max is None:
                 n_max = (getattr(proposer, "block_size", 16) - 1) if proposer is not None else 0
-            cost = measure_cost(target, proposer, n_max=n_max, progress=progress)
-        pol = CostModelPolicy(cost)
+            drafting = getattr(proposer, "drafter_proposer", proposer)  # a hybrid: its drafter's cost
+            if drafting is not None and getattr(drafting, "drafter", None) is None \
+                    and getattr(drafting, "source", "") == "ngram":
+                drafting = None  # copies cost only the verification
+            cost = measure_cost(target, drafting, n_max=n_max, progress=progress)
+        sources = _sources(proposer)
+        pols = {s: CostModelPolicy(copy_cost(cost) if s == "ngram" else cost, source=s if len(sources) > 1 else None)
+                for s in sources}
+        pol = pols[sources[0]]
         pol.profile_key = profile_key(target, proposer) if persist and target is not None else None
         if pol.profile_key is not None:
             pol.load_profile(pol.profile_key, str(target.device))
-        return pol
+        return pol if len(pols) == 1 else PerSourcePolicy(pols, sources[0])
     raise ValueError(f"--verify-policy {name!r} is unknown; accepted: {', '.join(POLICIES)}")

@@ -59,7 +59,7 @@ def config_from_args(args) -> BenchConfig:
         target=args.target, dtype=args.dtype, device=args.device, threads=args.threads,
         modes=parse_modes(args.modes) if args.modes else None, drafters=drafters or None,
         block_size=args.block_size, pld_tokens=args.pld_tokens, verify_policy=args.verify_policy,
-        linear_backend=args.linear_backend,
+        linear_backend=args.linear_backend, proposer=args.proposer,
         workloads=tuple(parse_workloads(args.workloads)) if args.workloads else None,
         limit=args.limit, max_new_tokens=args.max_new_tokens, context_tokens=args.context_tokens,
         settings=_settings(args) if args.settings else None, repeats=args.repeats, warmup=args.warmup,
@@ -101,7 +101,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16, for every mode (others are refused by the guards)")
     p.add_argument("--device", default=None, help="cpu (default) | cuda")
     p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's own, every core; smoke 1)")
-    p.add_argument("--modes", default=None, help="comma list of ar,dflash,dspine,hf,hf-pld or all (default all)")
+    p.add_argument("--modes", default=None,
+                   help="comma list of ar,dflash,dspine,ngram,hf,hf-pld or all (default all); ngram is dspine's "
+                        "own prompt lookup (copies, no drafter)")
+    p.add_argument("--proposer", default=None, choices=["drafter", "ngram", "hybrid"],
+                   help="what dflash/dspine propose with: hybrid (default, as generate and serve: copies where "
+                        "the context repeats, the drafter elsewhere) | drafter (the drafter alone) | ngram")
     p.add_argument("--drafter", default=None, help="drafter for both speculative modes: 'random' or a directory")
     p.add_argument("--drafter-dspine", default=None, help="dspine checkpoint dir or 'random' (default: shipped)")
     p.add_argument("--drafter-dflash", default=None, help="dflash checkpoint dir or 'random' (default: shipped)")

@@ -72,6 +72,7 @@ class BenchConfig:
     block_size: int | None = None  # random drafters only
     pld_tokens: int = 10
     verify_policy: str = "cost"  # verification-length policy of the drafter modes (issue 19)
+    proposer: str = "hybrid"  # what dflash / dspine propose with (issue 20): drafter | ngram | hybrid
     linear_backend: str = "auto"  # the shared target's linears (dspine.runtime.packed), every mode alike
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
@@ -102,7 +103,7 @@ def smoke_config(**overrides) -> BenchConfig:
     """The ``--smoke`` run: real default target, 1 prompt per workload, 16 new tokens,
     greedy, ar + dspine + dflash (the shipped drafters at their block size; random ones at
     block size 16 when none is shipped) + hf-pld, one thread."""
-    base = dict(modes=("ar", "dspine", "dflash", "hf-pld"), limit=1, max_new_tokens=16,
+    base = dict(modes=("ar", "dspine", "dflash", "ngram", "hf-pld"), limit=1, max_new_tokens=16,
                 settings=(GREEDY,), repeats=1, warmup=1, warmup_tokens=4, context_tokens=512,
                 threads=1, block_size=None, request_timeout_s=SMOKE_TIMEOUT_S, smoke=True)
     base.update(overrides)
@@ -308,8 +309,12 @@ class Harness:
         self.target = target if target is not None else load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
         if target is None or cfg.linear_backend != "auto":  # one backend for every mode (a fair run)
             apply_linear_backend(self.target, cfg.linear_backend, progress=progress_notes())
+        from ..proposers import PROPOSERS
+
+        if cfg.proposer not in PROPOSERS:
+            raise BenchError(f"--proposer {cfg.proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
         self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,
-                                    cfg.verify_policy)
+                                    cfg.verify_policy, cfg.proposer)
                         for m in cfg.modes}
         self.check_setup()
         self.env = environment(self.target, cfg)

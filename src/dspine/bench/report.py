@@ -102,6 +102,15 @@ def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
     dr = [sum((r.get("drafted_counts") or [])[k] for r in ok if len(r.get("drafted_counts") or []) > k) for k in range(L)]
     ac = [sum((r.get("accepted_counts") or [])[k] for r in ok if len(r.get("accepted_counts") or []) > k) for k in range(L)]
     g["acceptance_per_position"] = [a / d if d else None for a, d in zip(ac, dr)]
+    srcs: dict = {}
+    for r in ok:  # proposals and acceptance per proposer source (hybrid: draft vs ngram)
+        for k, d in (r.get("sources") or {}).items():
+            a = srcs.setdefault(k, {"cycles": 0, "proposed": 0, "accepted": 0, "emitted": 0})
+            for f in a:
+                a[f] += d.get(f, 0)
+    for a in srcs.values():
+        a["tau"] = a["emitted"] / a["cycles"] if a["cycles"] else None
+    g["sources"] = srcs
     vl = [n for r in ok for n in (r.get("verification_lengths") or [])]
     g["verification_length_mean"] = statistics.mean(vl) if vl else None
     # cycle split and cost model
@@ -311,6 +320,18 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                      f"| {_sp(g['e2e_speedup'])} | {_f(g['tau_mean'])} / {_f(g['tau_pooled'])} "
                      f"| {_f(g['verification_length_mean'], '{:.1f}')} | {g['peak_memory_bytes_max'] / 2**20:.0f} "
                      f"| {g['failures']} ({g['timeouts']} timeouts) | {_check_cell(g)} |")
+    src_rows = [(g, k, a) for g in res for k, a in sorted((g.get("sources") or {}).items()) if k != "none"]
+    if src_rows:
+        L += ["", "## Proposals per source", "",
+              "Each cycle's proposals come from one source, chosen from the context before anything is drawn: "
+              "`draft` (the drafter), `ngram` (a copy of the request's own earlier text).", "",
+              "| concurrency | setting | workload | mode | source | cycles | share | proposed | accepted "
+              "| accepted / proposed | tau |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for g, k, a in src_rows:
+            tot = sum(x["cycles"] for x in g["sources"].values()) or 1
+            L.append(f"| {g['concurrency']} | {g['setting']} | {g['workload']} | {g['mode']} | {k} | {a['cycles']} "
+                     f"| {a['cycles'] / tot:.0%} | {a['proposed']} | {a['accepted']} "
+                     f"| {_f(a['accepted'] / a['proposed'] if a['proposed'] else None)} | {_f(a['tau'])} |")
     L += ["", "## Cost model (s per output token after prefill)", "",
           "C = draft + final stage + verification per cycle, S = prefill stall per cycle (concurrency > 1: "
           "the request's decoding waited while other requests were prefilled; prefill is not chunked), "

@@ -23,7 +23,7 @@ import torch
 
 from ..config import SamplingConfig
 
-ENGINE_MODES = ("ar", "dflash", "dspine")
+ENGINE_MODES = ("ar", "dflash", "dspine", "ngram")  # ngram: our own prompt lookup (no drafter)
 HF_MODES = ("hf", "hf-pld")
 ALL_MODES = ENGINE_MODES + HF_MODES
 
@@ -148,16 +148,22 @@ class EngineRunner(Runner):
     """
 
     def __init__(self, target, mode: str, drafter: str | None = None, block_size: int | None = None,
-                 seed: int = 0, threads: int | None = None):
+                 seed: int = 0, threads: int | None = None, proposer: str = "drafter"):
         super().__init__(target, threads)
         from ..draft import DrafterProposer, load_drafter, random_drafter, read_card
         from ..engine import Engine, EngineError
+        from ..proposers import make_proposer
 
         self.mode = mode
         self.drafter_path, self.card = None, {}
+        self.proposer = proposer if mode not in ("ar", "ngram") else ("ngram" if mode == "ngram" else None)
         if mode == "ar":
             self.engine = Engine(target, None, "ar")
             self.block_size = 1
+            return
+        if mode == "ngram":  # copies of the request's own text, no drafter (ours, beside hf-pld)
+            self.engine = Engine(target, make_proposer("ngram", None, block_size=block_size or 16), "ngram")
+            self.block_size = self.engine.proposer.block_size
             return
         if drafter is None:
             raise EngineError(f"--mode {mode} needs a drafter (a checkpoint directory or 'random')")
@@ -179,17 +185,17 @@ class EngineRunner(Runner):
         self.block_size = model.cfg.block_size
         self.drafter_cfg = model.cfg
         with torch.no_grad():
-            self.engine = Engine(target, DrafterProposer(model), mode)
+            self.engine = Engine(target, make_proposer(proposer, DrafterProposer(model)), mode)
 
     def info(self) -> dict:
         d = {"mode": self.mode, "block_size": self.block_size, "drafter": self.drafter_path,
-             "verify_policy": getattr(self, "verify_policy", "fixed")}
+             "verify_policy": getattr(self, "verify_policy", "fixed"), "proposer": self.proposer}
         if getattr(self, "drafter_sha256", None):
             d["drafter_sha256"] = self.drafter_sha256  # first 16 hex digits of model.safetensors
         if self.card:
             steps = self.card.get("total_steps")
             d["drafter_steps"] = steps if steps is not None else self.card.get("steps")
-        if self.mode != "ar":
+        if self.mode not in ("ar", "ngram"):
             c = self.drafter_cfg
             d.update(drafter_dtype=str(next(self.engine.proposer.drafter.parameters()).dtype).replace("torch.", ""),
                      bridge=c.bridge, final_stage=c.final_stage, block_causal=c.block_causal,
@@ -238,6 +244,7 @@ class EngineRunner(Runner):
             "split_measured": True,
             "peak_memory_bytes": mem.peak, "peak_memory_kind": mem.kind,
             "engine_peak_memory_bytes": st.peak_memory_bytes,
+            "sources": st.sources,  # per proposer source: cycles, proposed, accepted, emitted, tau
         }
 
     def concurrent(self, batch_engine, prompts: list, sampling_for, timeout_s: float) -> list[dict]:
@@ -420,10 +427,11 @@ class HFRunner(Runner):
 
 
 def make_runner(target, mode: str, drafters: dict, block_size: int | None, seed: int,
-                pld_tokens: int, verify_policy: str = "fixed") -> Runner:
-    """The runner of ``mode`` over ``target`` (drafters: mode -> path | 'random')."""
+                pld_tokens: int, verify_policy: str = "fixed", proposer: str = "drafter") -> Runner:
+    """The runner of ``mode`` over ``target`` (drafters: mode -> path | 'random';
+    ``proposer``: what the drafter modes propose with, :data:`dspine.proposers.PROPOSERS`)."""
     if mode in ENGINE_MODES:
-        r = EngineRunner(target, mode, drafters.get(mode), block_size, seed)
+        r = EngineRunner(target, mode, drafters.get(mode), block_size, seed, proposer=proposer)
         if mode != "ar" and verify_policy != "fixed":
             from ..policy import make_policy
 

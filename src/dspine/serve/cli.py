@@ -42,18 +42,20 @@ def cmd_serve(args) -> int:
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy,
                                   concurrency=args.max_running, head_kernel=args.head_kernel, progress=True,
-                                  persist=True, linear_backend=args.linear_backend)
+                                  persist=True, linear_backend=args.linear_backend, proposer=args.proposer,
+                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
     policy = args.verify_policy if args.mode != "ar" else "-"
     info = {"mode": args.mode, "target": args.target, "drafter": drafter, "dtype": args.dtype,
-            "verify_policy": policy}
+            "verify_policy": policy, "proposer": args.proposer if args.mode != "ar" else "-"}
     app = create_app(batch, name, args.max_queue, info)
     port = sock.getsockname()[1]
     print(f"dspine serve: listening on http://{args.host}:{port}", flush=True)
     print(f"dspine serve: model '{name}' = target {args.target} ({target.num_layers} layers, vocab "
           f"{target.vocab_size}, context {engine.max_positions}), mode {args.mode}, drafter {drafter}, "
+          f"proposer {info['proposer']}, "
           f"dtype {args.dtype}, verify policy {policy}, "
           f"batched {'verification' if args.mode != 'ar' else 'decoding'} of up to "
           f"{args.max_running} running requests, queue {args.max_queue}", flush=True)
@@ -101,6 +103,9 @@ def add_serve_parser(sub) -> None:
                         "(verify the whole block)")
     p.add_argument("--linear-backend", default="auto",
                    help="the target's linear layers: auto (measured on this machine, cached) | aten | onednn")
+    from ..cli import add_proposer_args
+
+    add_proposer_args(p)
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
                         "int8 | bfloat16 | exact")

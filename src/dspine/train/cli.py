@@ -20,8 +20,12 @@ from ..argtypes import nonneg_int, positive_float, positive_int, seed_int, unit_
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
-                       progress: bool = False) -> dict:
+                       progress: bool = False, proposer: str = "drafter") -> dict:
     """Held-out mean acceptance length tau per prompt set, by the engine loop (greedy).
+
+    ``proposer``: ``drafter`` (the drafter alone, the default: what training improves),
+    ``ngram`` or ``hybrid`` (:mod:`dspine.proposers`); with more than one source the
+    result also holds ``sources_<set>`` (cycles, proposals, accepted per source).
 
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
     "n_<set>": prompts}``. Prompts come from :func:`dspine.data.sources.heldout_prompts`
@@ -31,15 +35,16 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     from ..data.sources import heldout_prompts
     from ..draft import DrafterProposer
     from ..engine import Engine
+    from ..proposers import make_proposer
 
     was_training = drafter.training
     drafter.eval()
-    eng = Engine(target, DrafterProposer(drafter), drafter.cfg.mode)
+    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter)), drafter.cfg.mode)
     res = {}
     for s in sets:
         prompts = heldout_prompts(s, n)
         emitted = cycles = 0
-        per = []
+        per, by_src = [], {}
         it = prompts
         if progress:
             from tqdm.auto import tqdm
@@ -52,7 +57,14 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
             emitted += round(st.accepted_length_mean * st.cycles)  # tokens emitted by cycles
             cycles += st.cycles
             per.append(round(st.accepted_length_mean, 3))
+            for src, d in st.sources.items():
+                agg = by_src.setdefault(src, {"cycles": 0, "proposed": 0, "accepted": 0, "emitted": 0})
+                for k in agg:
+                    agg[k] += d[k]
         res[f"tau_{s}"] = round(emitted / max(1, cycles), 4)
+        if proposer != "drafter":
+            res[f"sources_{s}"] = {k: {**d, "tau": round(d["emitted"] / max(1, d["cycles"]), 4)}
+                                   for k, d in by_src.items()}
         res[f"tau_{s}_per_prompt"] = per
         res[f"n_{s}"] = len(prompts)
     res["max_new_tokens"] = max_new_tokens
@@ -357,8 +369,8 @@ def cmd_acceptance(args) -> int:
             raise DrafterError(f"--mode {args.mode} does not match drafter {args.drafter} "
                                f"(trained as {model.cfg.mode}); leave --mode out for a checkpoint")
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
-                             progress=True)
-    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, **res}))
+                             progress=True, proposer=args.proposer)
+    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer, **res}))
     return 0
 
 
@@ -430,4 +442,7 @@ def add_train_parser(sub) -> None:
     a.add_argument("--max-new-tokens", type=positive_int, default=96)
     a.add_argument("--dtype", default="float32")
     a.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    a.add_argument("--proposer", default="drafter", choices=["drafter", "ngram", "hybrid"],
+                   help="drafter (the default here: the drafter's own tau) | ngram (copies of the request's "
+                        "own text) | hybrid (copies where the context repeats, the drafter elsewhere)")
     a.set_defaults(func=cmd_acceptance)

@@ -1,0 +1,273 @@
+"""The learned drafters as proposers: DSpine and DFlash-style (spec sections 4-6, 10).
+
+:class:`DrafterProposer` runs a :class:`~dspine.model.DSpineDrafter` (DSpine with bridge
+and final stage, or DFlash-style without, by its config flags) over the request's
+draft context K/V (:class:`DraftContextCache`); :func:`propose_batch` runs it for
+several requests with one drafter forward (the batched engine).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import SamplingConfig
+from ..final_stage import candidates, chain, conditional_tables, parallel_argmax
+from ..model import DSpineDrafter
+from ..sampling import filter_probs, sample_index, uniform
+from .base import Proposal, Proposer
+
+
+class DraftContextCache:
+    """Draft context K/V of one request, bounded to ``window`` positions (ring buffer).
+
+    Holds per layer k, v [kv, cap, hd] (RoPE applied), absolute positions [cap] and a
+    valid mask; ``cap`` grows by doubling up to ``window``, after which the oldest
+    positions are overwritten (memory stays flat past the window, spec section 7).
+    """
+
+    def __init__(self, num_layers: int, window: int):
+        self.L, self.window = num_layers, window
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.pos: torch.Tensor | None = None  # [cap] int64
+        self.valid: torch.Tensor | None = None  # [cap] bool
+        self.written = 0  # positions ever appended
+
+    def _grow(self, need: int, like: torch.Tensor) -> None:
+        cap = 0 if self.pos is None else self.pos.shape[0]
+        if need <= cap:
+            return
+        new = min(self.window, max(need, 2 * cap, 64))
+        kv, hd = like.shape[0], like.shape[-1]  # like: [kv, n, hd]
+        for lst in (self.k, self.v):
+            for l in range(len(lst)):
+                t = lst[l].new_zeros(kv, new, hd)
+                t[:, :cap] = lst[l]
+                lst[l] = t
+            if not lst:
+                lst.extend(like.new_zeros(kv, new, hd) for _ in range(self.L))
+        pos = torch.full((new,), -1, dtype=torch.long, device=like.device)
+        valid = torch.zeros(new, dtype=torch.bool, device=like.device)
+        if cap:
+            pos[:cap], valid[:cap] = self.pos, self.valid
+        self.pos, self.valid = pos, valid
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], pos: torch.Tensor) -> None:
+        """Commit K/V of accepted positions: per layer (k, v) [1, kv, n, hd]; pos [n]."""
+        n = pos.shape[0]
+        if n == 0:
+            return
+        if n > self.window:  # only the last `window` positions can ever be read
+            kv = [(k[:, :, -self.window:], v[:, :, -self.window:]) for k, v in kv]
+            pos, n = pos[-self.window:], self.window
+        self._grow(min(self.window, self.written + n), kv[0][0][0])
+        cap = self.pos.shape[0]
+        idx = (self.written + torch.arange(n, device=pos.device)) % cap  # [n]
+        for l, (k, v) in enumerate(kv):
+            self.k[l][:, idx] = k[0].to(self.k[l].dtype)
+            self.v[l][:, idx] = v[0].to(self.v[l].dtype)
+        self.pos[idx] = pos
+        self.valid[idx] = True
+        self.written += n
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def as_batch(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """(per-layer (k, v) [1, kv, cap, hd], pos [1, cap], valid [1, cap])."""
+        return ([(k[None], v[None]) for k, v in zip(self.k, self.v)], self.pos[None], self.valid[None])
+
+
+class DrafterProposer(Proposer):
+    """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
+
+    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True, head_kernel: str = "auto"):
+        """``use_quantized_head``: candidates from a coarse pass over the head followed by
+        exact rescoring (DSpine's final stage, and the DFlash-style greedy argmax). False
+        is the reference path: exact head over the full vocabulary. ``head_kernel``: the
+        coarse pass's kernel, ``auto`` (measured per row count on this machine and cached,
+        :mod:`dspine.tune.head`) or ``int8`` / ``bfloat16`` / ``exact``. Sampled
+        DFlash-style proposals always use the dense filtered q over all V tokens (spec
+        section 10).
+
+        Raises:
+            ValueError: unknown ``head_kernel`` (naming ``--head-kernel``).
+        """
+        from ..tune.head import plan_candidate_pass
+
+        self.drafter = drafter.eval()
+        self.cfg = drafter.cfg
+        self.block_size = self.cfg.block_size
+        self.feature_layers = list(self.cfg.feature_layers)
+        self.qhead = (plan_candidate_pass(drafter.head, drafter.fc.weight.dtype, head_kernel)
+                      if use_quantized_head else None)
+
+    def kernel_info(self) -> dict:
+        """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
+        kernel per row bucket, or ``exact-reference`` without a coarse pass."""
+        if self.qhead is None:
+            return {"candidate_pass": "exact-reference"}
+        return {"candidate_pass": self.qhead.describe()["kernels"]}
+
+    def new_state(self, prompt_ids):
+        return DraftContextCache(self.cfg.num_layers, self.cfg.window)
+
+    @torch.no_grad()
+    def commit(self, state: DraftContextCache, features: torch.Tensor, start_pos: int) -> None:
+        n = features.shape[0]
+        if n == 0:
+            return
+        if n > self.cfg.window:
+            features, start_pos, n = features[-self.cfg.window:], start_pos + n - self.cfg.window, self.cfg.window
+        pos = torch.arange(start_pos, start_pos + n, device=features.device)
+        state.append(self.drafter.context_kv(features[None], pos[None]), pos)
+
+    @torch.no_grad()
+    def commit_many(self, states: list[DraftContextCache], features: list[torch.Tensor],
+                    starts: list[int]) -> None:
+        """Commit accepted features of several requests with one context projection.
+
+        ``features[i]`` [n_i, F*d] at positions ``starts[i] .. starts[i] + n_i - 1`` of
+        ``states[i]``. The context K/V of a position depends on its own features and
+        position only, so this equals :meth:`commit` per request (up to float rounding
+        of the larger matrix product); it saves b - 1 small projections per batched cycle.
+        """
+        if type(self).commit is not DrafterProposer.commit:  # a subclass commits its own way
+            return super().commit_many(states, features, starts)
+        W = self.cfg.window
+        items = []
+        for s, f, p in zip(states, features, starts):
+            if f.shape[0] > W:  # only the last `window` positions can ever be read
+                p, f = p + f.shape[0] - W, f[-W:]
+            if f.shape[0]:
+                items.append((s, f, p))
+        if len(items) <= 1:
+            for s, f, p in items:
+                self.commit(s, f, p)
+            return
+        feats = torch.cat([f for _, f, _ in items])[None]  # [1, sum n_i, F*d]
+        pos = torch.cat([torch.arange(p, p + f.shape[0], device=f.device) for _, f, p in items])  # [sum n_i]
+        kv = self.drafter.context_kv(feats, pos[None])  # per layer (k, v) [1, kv, sum n_i, hd]
+        o = 0
+        for s, f, _ in items:
+            n = f.shape[0]
+            s.append([(k[:, :, o:o + n], v[:, :, o:o + n]) for k, v in kv], pos[o:o + n])
+            o += n
+
+    @torch.no_grad()
+    def propose(self, state: DraftContextCache, anchor: int, anchor_pos: int, n: int,
+                sampling: SamplingConfig, gen) -> Proposal:
+        d = self.drafter
+        t0 = time.perf_counter()
+        dev = d.fc.weight.device
+        kv, cpos, cvalid = state.as_batch()
+        a = torch.tensor([[anchor]], device=dev)
+        # a block-causal drafter runs only the rows it proposes from (same values as the
+        # full block, model.forward_blocks); a short verification length costs less
+        rows = max(1, n + 1) if self.cfg.block_causal else None
+        out = d.forward_blocks(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
+        t1 = time.perf_counter()
+        if n == 0:
+            return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)
+        if self.cfg.final_stage:
+            x = d.norm_f(out.h[0, 0, 1:n + 1])  # [n, d]
+            cand = candidates(d, x, self.cfg.head_topk, self.cfg.coarse_k, self.qhead)  # [n, K]
+            B1 = self.cfg.block_size
+            T = conditional_tables(d, out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1],
+                                   a[:, 0], cand[None])[0]  # [n, K, K]
+            ch = chain(T, cand, n, sampling, gen)
+            t2 = time.perf_counter()
+            return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
+        if sampling.greedy and self.qhead is not None:  # argmax via the shared candidate pass
+            toks = parallel_argmax(d, d.norm_f(out.h[0, 0, 1:n + 1]), self.qhead)
+            return Proposal(toks.cpu(), draft_s=time.perf_counter() - t0)
+        return dense_proposal(d.logits(out.h[0, 0, 1:n + 1]).float(), sampling, gen, t0)
+
+    def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:
+        """One drafter forward for all requests (:func:`propose_batch`) once every
+        request's draft context holds positions; else one by one."""
+        if len(reqs) > 1 and all(r.draft_state.pos is not None for r in reqs):
+            return propose_batch(self, reqs, positions, ns)
+        return super().propose_many(reqs, positions, ns)
+
+
+
+def dense_proposal(z: torch.Tensor, sampling: SamplingConfig, gen, t0: float) -> Proposal:
+    """Reference DFlash-style proposals from full-vocabulary logits z [n, V] float32:
+    argmax (greedy) or ``y_i ~ q_i = filter_probs(z_i)`` with the dense q [n, V] float64."""
+    n = z.shape[0]
+    if sampling.greedy:
+        return Proposal(torch.argmax(z, dim=-1).cpu(), draft_s=time.perf_counter() - t0)
+    q = filter_probs(z, sampling).cpu()  # [n, V] dense q
+    toks = torch.tensor([sample_index(q[i], uniform(gen)) for i in range(n)], dtype=torch.long)
+    return Proposal(toks, None, q, draft_s=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:
+    """:meth:`DrafterProposer.propose` for several requests with one drafter forward.
+
+    ``reqs``: :class:`~dspine.engine.Request` objects (``draft_state``, ``anchor``,
+    ``sampling``, ``gen`` are read); ``positions[j]`` is request j's anchor position and
+    ``ns[j] >= 1`` its verification length. Returns one :class:`Proposal` per request.
+
+    Context K/V of the requests (ring buffers of different capacity) are padded to the
+    largest capacity with invalid slots; candidates and conditional tables are batched;
+    the serial chain runs per request with its own sampling settings and generator.
+    Shared times are split evenly over the requests.
+    """
+    d, cfg = prop.drafter, prop.cfg
+    t0 = time.perf_counter()
+    dev = d.fc.weight.device
+    b, nmax = len(reqs), max(ns)
+    states = [r.draft_state for r in reqs]
+    cap = max(s.pos.shape[0] for s in states)
+    kv = []
+    for l in range(cfg.num_layers):
+        k0 = states[0].k[l]
+        K = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        V = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        for j, s in enumerate(states):
+            c = s.pos.shape[0]
+            K[j, :, :c] = s.k[l]
+            V[j, :, :c] = s.v[l]
+        kv.append((K, V))
+    cpos = torch.full((b, cap), -1, dtype=torch.long, device=dev)
+    cvalid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+    for j, s in enumerate(states):
+        c = s.pos.shape[0]
+        cpos[j, :c], cvalid[j, :c] = s.pos, s.valid
+    a = torch.tensor([[r.anchor] for r in reqs], device=dev)
+    apos = torch.tensor([[p] for p in positions], device=dev)
+    rows = nmax + 1 if cfg.block_causal else None  # causal block: only the rows proposed from
+    out = d.forward_blocks(a, apos, kv, cpos, cvalid, rows=rows)
+    t1 = time.perf_counter()
+    res: list[Proposal] = []
+    if cfg.final_stage:
+        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
+        cand = candidates(d, x.reshape(b * nmax, -1), cfg.head_topk, cfg.coarse_k, prop.qhead)
+        cand = cand.reshape(b, nmax, -1)  # [b, nmax, K]
+        T = conditional_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
+                               a[:, 0], cand)  # [b, nmax, K, K]
+        t2 = time.perf_counter()
+        shared = (t2 - t1) / b
+        for j, r in enumerate(reqs):
+            tc = time.perf_counter()
+            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen)
+            res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
+                                final_s=shared + time.perf_counter() - tc))
+        return res
+    if prop.qhead is not None and all(r.sampling.greedy for r in reqs):  # argmax via the candidate pass
+        x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
+        toks = parallel_argmax(d, x.reshape(b * nmax, -1), prop.qhead).view(b, nmax)
+        res = [Proposal(toks[j, : ns[j]].cpu()) for j in range(b)]
+    else:
+        z = d.logits(out.h[:, 0, 1:nmax + 1]).float()  # [b, nmax, V]
+        for j, r in enumerate(reqs):
+            res.append(dense_proposal(z[j, : ns[j]], r.sampling, r.gen, t0))
+    share = (time.perf_counter() - t0) / b
+    for p in res:
+        p.draft_s = share
+    return res

@@ -1,0 +1,146 @@
+"""Copy proposals: an n-gram index over the request's own tokens (prompt lookup).
+
+When the text being written repeats earlier text (code edits, format conversion, tool
+calls quoting their arguments), the continuation of the latest earlier occurrence of
+the context's suffix is a strong proposal that costs no model at all. This is prompt
+lookup decoding (Saxena 2023; ``prompt_lookup_num_tokens`` in HF transformers, vLLM's
+``ngram`` method) over prompt *and* generated tokens, with the index updated
+incrementally as tokens are committed, as SuffixDecoding (Oliaro et al., NeurIPS 2025)
+does with a suffix tree.
+
+Index: hashed n-grams (Python dict of token tuples, n = 1..``max_ngram``) mapping each
+n-gram to where the continuation of its most recent occurrence starts, plus how often
+it occurred. Appending a token costs ``max_ngram`` dict writes and a lookup
+``max_ngram`` reads, independent of the context length; a suffix automaton gives the
+longest match of any length, which past ~4 tokens changes little for proposals (the
+match only has to be long enough to be right). Memory: ~``max_ngram`` entries per token.
+
+Proposals are deterministic given the context, so q is a point mass on each proposed
+token (``q_ids`` [n, 1], ``q_probs`` ones): the verifier accepts ``y`` with probability
+``p(y)`` and on rejection samples from ``p`` without ``y``, renormalized (spec section
+5 with q = delta_y), which is exact.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import SamplingConfig
+from .base import Plan, Proposal, Proposer
+
+
+class NgramIndex:
+    """Hashed n-gram index over one request's committed token ids.
+
+    Attributes:
+        tokens: committed token ids (positions 0..len-1), prompt included.
+        last: n-gram (tuple, 1..max_ngram tokens) -> index in ``tokens`` where the
+            continuation after its most recent occurrence starts.
+        count: n-gram -> occurrences with a known continuation.
+    """
+
+    def __init__(self, max_ngram: int = 4):
+        if max_ngram < 1:
+            raise ValueError(f"--ngram-max {max_ngram} must be >= 1")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}
+        self.count: dict[tuple[int, ...], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        """Commit one token: every n-gram ending just before it now has a continuation."""
+        i, toks = len(self.tokens), self.tokens
+        for k in range(1, min(self.max_ngram, i) + 1):
+            key = tuple(toks[i - k:i])
+            self.last[key] = i
+            self.count[key] = self.count.get(key, 0) + 1
+        toks.append(int(token))
+
+    def observe(self, tokens: list[int], start_pos: int) -> None:
+        """Commit ``tokens`` at positions start_pos.. (a start before the end rebuilds
+        the index from the kept prefix, as after a rollback; one past the end is an error).
+
+        Raises:
+            ValueError: ``start_pos`` beyond the committed length (a gap).
+        """
+        if start_pos > len(self.tokens):
+            raise ValueError(f"n-gram index holds {len(self.tokens)} tokens; cannot commit at position {start_pos}")
+        if start_pos < len(self.tokens):
+            kept = self.tokens[:start_pos]
+            self.tokens, self.last, self.count = [], {}, {}
+            for t in kept:
+                self.append(t)
+        for t in tokens:
+            self.append(t)
+
+    def lookup(self, anchor: int, n: int, min_match: int = 1) -> tuple[int, list[int]]:
+        """Longest suffix match of ``tokens + [anchor]`` (at most ``max_ngram`` tokens, at
+        least ``min_match``) with an earlier occurrence; returns (match length, up to
+        ``n`` tokens that followed its most recent occurrence), or (0, []) without one.
+        The continuation may run into the suffix itself (repetitive text)."""
+        toks, L = self.tokens, len(self.tokens)
+        for k in range(min(self.max_ngram, L + 1), max(min_match, 1) - 1, -1):
+            key = tuple(toks[L - k + 1:]) + (int(anchor),) if k > 1 else (int(anchor),)
+            j = self.last.get(key)
+            if j is None:
+                continue
+            cont = toks[j:j + n]
+            if len(cont) < n and j + len(cont) == L:  # the copy reaches the anchor itself
+                cont = cont + [int(anchor)]
+            return k, cont[:n]
+        return 0, []
+
+
+def point_mass(tokens: list[int], t0: float, source: str) -> Proposal:
+    """Proposal of deterministic ``tokens`` with q = delta (q_ids [n, 1], q_probs [n, 1] ones)."""
+    toks = torch.tensor(tokens, dtype=torch.long)
+    return Proposal(toks, toks[:, None].clone(), torch.ones(len(tokens), 1, dtype=torch.float64),
+                    draft_s=time.perf_counter() - t0, source=source)
+
+
+class NgramProposer(Proposer):
+    """Prompt-lookup proposer over the request's prompt and output (no model, no features).
+
+    Args:
+        block_size: proposals per cycle at most + 1 (default 16, as the drafters).
+        max_ngram: longest suffix matched (``--ngram-max``).
+        min_match: shortest suffix match that proposes (``--ngram-min``); shorter
+            matches give a plain target step.
+    Raises:
+        ValueError: a setting out of range (naming it).
+    """
+
+    needs_features = False
+    feature_layers: list[int] = []
+    source = "ngram"
+
+    def __init__(self, block_size: int = 16, max_ngram: int = 4, min_match: int = 2):
+        if block_size < 2:
+            raise ValueError(f"--block-size {block_size} must be >= 2 for the n-gram proposer")
+        if not 1 <= min_match <= max_ngram:
+            raise ValueError(f"--ngram-min {min_match} must be in 1..--ngram-max ({max_ngram})")
+        self.block_size, self.max_ngram, self.min_match = block_size, max_ngram, min_match
+
+    def new_state(self, prompt_ids: list[int]) -> NgramIndex:
+        return NgramIndex(self.max_ngram)
+
+    def observe(self, state: NgramIndex, tokens: list[int], start_pos: int) -> None:
+        state.observe(tokens, start_pos)
+
+    def plan(self, state: NgramIndex, anchor: int, n_max: int) -> Plan:
+        k, cont = state.lookup(anchor, n_max, self.min_match)
+        return Plan(self.source, len(cont), k)
+
+    def propose(self, state: NgramIndex, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,
+                gen: torch.Generator | None) -> Proposal:
+        """Copy up to ``n`` tokens (fewer when the match's continuation is shorter)."""
+        t0 = time.perf_counter()
+        _, cont = state.lookup(anchor, n, self.min_match)
+        return point_mass(cont, t0, self.source)
+
+    def kernel_info(self) -> dict:
+        return {"proposer": "ngram", "ngram": {"max": self.max_ngram, "min_match": self.min_match}}
