@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .target import TargetCache
+from .target_cache import TargetCache
 from .targets import TargetError
 
 #: model_type -> adapter family. Only these hybrid architectures are validated.

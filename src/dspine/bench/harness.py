@@ -29,16 +29,9 @@ from pathlib import Path
 import torch
 
 from ..config import SamplingConfig
+from .fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
 from .runners import ALL_MODES, ENGINE_MODES, HF_MODES, make_runner
 from .workloads import WORKLOAD_NAMES, build_prompts, parse_workloads, warmup_prompt, workload_version
-
-
-class BenchError(ValueError):
-    """A benchmark setting the harness refuses (the message names it)."""
-
-
-class UnfairComparisonError(BenchError):
-    """Modes of one run differ in target, precision, device, threads or decoding settings."""
 
 
 @dataclass(frozen=True)
@@ -150,52 +143,6 @@ def resolve_drafters(cfg: BenchConfig) -> dict:
                              f"--drafter-{mode} PATH (a trained checkpoint) or --drafter random")
         out[mode] = d
     return out
-
-
-def check_fair(records: dict[str, dict], what: str = "setup") -> None:
-    """Refuse a comparison whose modes differ in any field of ``records`` (mode -> dict).
-
-    Raises:
-        UnfairComparisonError: naming the differing fields and the value per mode.
-    """
-    if len(records) < 2:
-        return
-    keys = sorted(set().union(*(r.keys() for r in records.values())))
-    diffs = []
-    for k in keys:
-        vals = {m: json.dumps(r.get(k), sort_keys=True, default=str) for m, r in records.items()}
-        if len(set(vals.values())) > 1:
-            diffs.append(f"{k} (" + ", ".join(f"{m}: {records[m].get(k)!r}" for m in records) + ")")
-    if diffs:
-        raise UnfairComparisonError(
-            f"unfair comparison: {what} differs across modes in {'; '.join(diffs)}. Every mode of a "
-            f"run must share one target checkpoint, dtype, device, threads, prompts and decoding settings")
-
-
-def _prompt_hash(ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
-
-
-def check_rows_fair(rows: list[dict]) -> None:
-    """Result rows of one comparison must share the setup, and per request the prompt and
-    decoding settings, across modes (raises :class:`UnfairComparisonError`)."""
-    rows = [r for r in rows if not r.get("warmup")]
-    seen: set[str] = set()
-    setups: dict[str, dict] = {}
-    for r in rows:  # one entry per distinct setup (a mode seen twice with another setup too)
-        js = json.dumps(r["setup"], sort_keys=True, default=str)
-        if js not in seen:
-            seen.add(js)
-            label = r["mode"] if r["mode"] not in setups else f"{r['mode']} (run {r.get('run_id')})"
-            setups[label] = r["setup"]
-    check_fair(setups, "setup")
-    groups: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["concurrency"], r["setting"], r["workload"], r["prompt_id"], r["repeat"])
-        groups.setdefault(key, {})[r["mode"]] = {"prompt": r["prompt_hash"], "decoding": r["decoding"],
-                                                 "seed": r["seed"], "workload": r["workload_version"]}
-    for key, recs in groups.items():
-        check_fair(recs, f"request {key[2]}/{key[3]} (setting {key[1]}, repeat {key[4]})")
 
 
 # -- environment ---------------------------------------------------------------------------------

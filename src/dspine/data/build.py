@@ -481,9 +481,3 @@ def _parse_row(line: bytes, shard: Path, lineno: int) -> dict:
             raise ValueError(f"{shard}, line {lineno}: {k} must be a list of integer token ids, got "
                              f"{str(row.get(k))[:40]!r}; the data is damaged")
     return row
-
-
-if __name__ == "__main__":  # python -m dspine.data.build: same as dspine data build
-    from .cli import main
-
-    sys.exit(main())
