@@ -359,7 +359,7 @@ def test_smoke_cli(tmp_path):
     issue 4 asks; its wall time is recorded in summary.json, not asserted here)."""
     assert main(["bench", "--smoke", "--out", str(tmp_path), "--no-progress"]) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["modes"] == ["ar", "dspine", "dflash", "ngram", "hf-pld"] and s["requests"] == 25
+    assert s["modes"] == ["ar", "dspine", "dflash", "ngram", "hf-pld"] and s["requests"] == 30
     assert s["mode_info"]["dspine"]["proposer"] == "hybrid" and s["mode_info"]["ngram"]["proposer"] == "ngram"
     assert all(g["failures"] == 0 for g in s["results"])
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
@@ -421,3 +421,18 @@ def test_git_dirty_ignores_the_runs_own_out_dir(tmp_path):
     (tmp_path / "code.py").write_text("x = 2\n")
     assert H.git_dirty(exclude=tmp_path / "out", root=tmp_path) is True
     assert H.git_dirty(exclude="/elsewhere", root=tmp_path) is True
+
+
+def test_edit_workload_check():
+    """The copy-heavy ``edit`` workload: the reference solution passes its check, a wrong
+    body and an answer without the function fail (issue 20)."""
+    from dspine.bench.checks import check_edit
+    from dspine.data.sources import load_humaneval
+
+    ids = W.load_workloads()["workloads"]["edit"]["ids"]
+    assert len(ids) >= 8 and not set(ids) & set(W.load_workloads()["workloads"]["code"]["ids"])
+    r = {x["task_id"]: x for x in load_humaneval()}[ids[0]]
+    meta = {"test": r["test"], "entry_point": r["entry_point"]}
+    assert check_edit(f"Here it is:\n```python\n{r['prompt']}{r['canonical_solution']}```", meta)["result"] == "passed"
+    assert check_edit(f"```python\ndef {r['entry_point']}(*a):\n    return None\n```", meta)["result"] == "failed"
+    assert check_edit("I cannot do that.", meta)["result"] == "failed"

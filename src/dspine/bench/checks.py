@@ -38,12 +38,14 @@ def _limits():  # pragma: no cover - runs in the child
 
 
 def run_humaneval(prompt: str, completion: str, test: str, entry_point: str,
-                  timeout_s: float = 10.0) -> dict:
-    """Run ``prompt + completion`` against ``test`` in a sandboxed subprocess.
+                  timeout_s: float = 10.0, stop: list[str] | None = None) -> dict:
+    """Run ``prompt + completion`` (cut at the HumanEval stop sequences, or ``stop``)
+    against ``test`` in a sandboxed subprocess.
 
     Returns ``{"result": "passed" | "failed" | "timeout", "error": str | None}``.
     """
-    program = (prompt + truncate_completion(completion) + "\n\n" + test + "\n"
+    cut = truncate_completion(completion) if stop is None else truncate_completion(completion, stop)
+    program = (prompt + cut + "\n\n" + test + "\n"
                + f"check({entry_point})\n")
     with tempfile.TemporaryDirectory(prefix="dspine-he-") as d:
         path = os.path.join(d, "program.py")
@@ -225,3 +227,17 @@ def check_multifile(text: str, meta: dict) -> dict:
     keys = {meta["answer_file"].lower(), meta["answer"].lower() + ".py",
             meta["answer"].split(".")[-1].lower() + ".py"}
     return {"result": "correct" if any(k in low for k in keys) else "wrong"}
+
+
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
+
+
+def check_edit(text: str, meta: dict, timeout_s: float = 10.0) -> dict:
+    """The ``edit`` workload's check: the first code block of the answer (or the whole
+    answer without one) must define the task's function and pass its HumanEval tests.
+    Returns ``{"result": "passed" | "failed" | "timeout", "error": str | None}``."""
+    m = _CODE_BLOCK.search(text)
+    code = m.group(1) if m else text
+    if f"def {meta['entry_point']}" not in code:
+        return {"result": "failed", "error": f"no `def {meta['entry_point']}` in the answer"}
+    return run_humaneval("", code, meta["test"], meta["entry_point"], timeout_s, stop=[])

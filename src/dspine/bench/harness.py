@@ -201,7 +201,7 @@ def environment(target, cfg: BenchConfig) -> dict:
 
 # -- the run ------------------------------------------------------------------------------------
 def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
-    from .checks import check_multifile, check_tool_call, run_humaneval
+    from .checks import check_edit, check_multifile, check_tool_call, run_humaneval
 
     if prompt.workload == "code":
         m = prompt.meta
@@ -212,6 +212,9 @@ def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
         return {"check": r["result"], "check_error": r["error"], "calls": r["calls"]}
     if prompt.workload == "multifile":
         return {"check": check_multifile(text, prompt.meta)["result"], "check_error": None}
+    if prompt.workload == "edit":
+        r = check_edit(text, prompt.meta, cfg.code_timeout_s)
+        return {"check": r["result"], "check_error": r["error"]}
     return {}
 
 

