@@ -396,3 +396,31 @@ def test_refused_build_leaves_existing_and_parent_folders_as_found(tiny, tmp_pat
         with pytest.raises(ValueError, match=name):
             B.build_dataset(tiny, [src], tmp_path / "z", progress=False, **{"max_new_tokens": 3, **kw})
     assert not (tmp_path / "z").exists()
+
+
+def test_pack_resume_and_load(tiny, tmp_path):
+    """`dspine data pack` gzips shards in place (sha256 in the manifest); a later build
+    --resume appends a new plain shard after them, skipping the packed ids; loading reads
+    both, and a packed shard whose bytes changed is refused by name (issue 23)."""
+    out = tmp_path / "ds"
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 5))], out, max_new_tokens=6, batch_size=2,
+                    progress=False)
+    before = [(s.id, s.input_ids) for s in B.load_dataset(out, tiny)]
+    man = B.pack_dataset(out)
+    assert man["shards"] == ["data-00000.jsonl.gz"] and not list(out.glob("data-*.jsonl"))
+    e = man["packed"]["data-00000.jsonl.gz"]
+    assert e["rows"] == 5 and e["bytes"] == (out / "data-00000.jsonl.gz").stat().st_size
+    assert [(s.id, s.input_ids) for s in B.load_dataset(out, tiny)] == before
+    man = B.build_dataset(tiny, [str(_prompts(tmp_path / "b.jsonl", 8))], out, max_new_tokens=6, batch_size=3,
+                          resume=True, progress=False)
+    assert man["counts"]["prompts"] == 8 and man["runs"][-1]["new_rows"] == 3
+    assert man["shards"] == ["data-00000.jsonl.gz", "data-00001.jsonl"]
+    assert sorted(s.id for s in B.load_dataset(out, tiny)) == [f"q{i}" for i in range(8)]
+    man = B.pack_dataset(out)  # packs only the new shard; the first keeps its bytes
+    assert man["packed"]["data-00000.jsonl.gz"] == e and man["packed"]["data-00001.jsonl.gz"]["rows"] == 3
+    gz = out / "data-00000.jsonl.gz"
+    raw = bytearray(gz.read_bytes())
+    raw[20] ^= 0xFF  # one damaged byte
+    gz.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="data-00000.jsonl.gz differs from the sha256"):
+        B.load_dataset(out, tiny)

@@ -7,8 +7,11 @@ target's chat template (raw text when it has none), code prompts as raw continua
 Output directory layout::
 
     data-00000.jsonl ...  rows {id, source, kind, prompt_ids, response_ids, finished}
+    data-00000.jsonl.gz   the same rows, packed (``dspine data pack``: gzip, sha256 in the
+                          manifest) for committing to the repository; read like plain shards
     manifest.json         target, tokenizer fingerprint, template, settings, counts,
-                          ``complete`` (true only after the whole prompt stream ran)
+                          ``complete`` (true only after the whole prompt stream ran),
+                          ``packed`` {shard name: {sha256, bytes, rows}}
 
 Rows are appended one batch at a time with a single write + fsync; a torn last line
 (crash mid-write) is cut off on ``--resume``. ``--resume`` skips ids already written.
@@ -70,17 +73,44 @@ def encode_record(target, rec: dict) -> list[int]:
 
 # -- shards and manifest -------------------------------------------------------------------
 def _shards(out: Path) -> list[Path]:
+    """Plain (still growing) shards."""
     return sorted(out.glob("data-*.jsonl"))
 
 
+def _packed(out: Path) -> list[Path]:
+    """Packed shards (``dspine data pack``)."""
+    return sorted(out.glob("data-*.jsonl.gz"))
+
+
+def _index(shard: Path) -> int:
+    return int(shard.name.split(".")[0].split("-")[1])
+
+
+def _all_shards(out: Path) -> list[Path]:
+    """Packed and plain shards in row order (by shard number)."""
+    return sorted(_packed(out) + _shards(out), key=_index)
+
+
+def _shard_bytes(shard: Path) -> bytes:
+    if shard.name.endswith(".gz"):
+        import gzip
+
+        try:
+            return gzip.decompress(shard.read_bytes())
+        except (OSError, EOFError) as e:
+            raise ValueError(f"{shard} is damaged ({e}); restore it from the repository") from None
+    return shard.read_bytes()
+
+
 def _repair_and_scan(out: Path) -> tuple[set[str], dict]:
-    """Cut torn trailing lines off every shard; return done ids and row/token counts."""
+    """Cut torn trailing lines off every plain shard; return done ids and row/token counts
+    over packed and plain shards."""
     done: set[str] = set()
     counts = {"prompts": 0, "prompt_tokens": 0, "response_tokens": 0, "finished": 0}
-    for shard in _shards(out):
-        data = shard.read_bytes()
+    for shard in _all_shards(out):
+        data = _shard_bytes(shard)
         keep = data.rfind(b"\n") + 1
-        if keep != len(data):
+        if keep != len(data) and not shard.name.endswith(".gz"):
             with open(shard, "r+b") as f:
                 f.truncate(keep)
         for lineno, line in enumerate(data[:keep].splitlines(), 1):
@@ -274,7 +304,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         if man is not None and man.get("kind") == "text":
             raise ValueError(f"{out} holds a `dspine data text` set (teacher-forcing text), not target-"
                              f"regenerated rows; use another --out")
-        if man is None and _shards(out):
+        if man is None and _all_shards(out):
             raise ValueError(f"{out} has data shards but no {MANIFEST}; use another --out directory")
         if man is not None and man.get("counts", {}).get("prompts", 0) > 0 and not resume:
             raise ValueError(f"{out} already holds {man['counts']['prompts']} rows for target "
@@ -308,7 +338,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         man.setdefault("runs", []).append(run)
 
         def save(complete: bool = False) -> None:
-            man.update(counts=dict(counts), shards=[p.name for p in _shards(out)], updated=_now(),
+            man.update(counts=dict(counts), shards=[p.name for p in _all_shards(out)], updated=_now(),
                        complete=complete)
             _write_json_atomic(out / MANIFEST, man)
 
@@ -316,9 +346,12 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         stream = interleave(iters)
         seen: set[str] = set()
         taken = position = 0
-        shard_idx = max(len(_shards(out)) - 1, 0)
-        shard_count = sum(1 for _ in open(out / f"data-{shard_idx:05d}.jsonl", "rb")) \
-            if (out / f"data-{shard_idx:05d}.jsonl").exists() else 0
+        plain, packed = _shards(out), _packed(out)
+        if plain:  # continue the last growing shard
+            shard_idx = _index(plain[-1])
+            shard_count = sum(1 for _ in open(plain[-1], "rb"))
+        else:  # after packed shards: a new one
+            shard_idx, shard_count = (max(_index(p) for p in packed) + 1 if packed else 0), 0
 
         from tqdm.auto import tqdm
         bar = tqdm(unit="tok", desc=f"data build {tgt.name}", disable=not progress, dynamic_ncols=True,
@@ -446,17 +479,88 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
     if not man.get("complete", False):
         print(f"note: {d} is an unfinished build ({man.get('counts', {}).get('prompts', 0)} rows so far); "
               f"using the rows written (finish it with `dspine data build ... --resume`)", file=sys.stderr)
+    verify_packed(d, man)
     seqs = []
-    for shard in _shards(d):
-        with open(shard, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.endswith(b"\n"):
-                    break  # torn tail of an interrupted run
-                row = _parse_row(line, shard, lineno)
-                p, r = row["prompt_ids"], row["response_ids"]
-                seqs.append(Sequence(str(row["id"]), p + r, len(p), bool(row.get("finished", False)),
-                                     str(row.get("source", "?")), row.get("kind", "chat")))
+    for shard in _all_shards(d):
+        data = _shard_bytes(shard)
+        for lineno, line in enumerate(data.splitlines(keepends=True), 1):
+            if not line.endswith(b"\n"):
+                break  # torn tail of an interrupted run
+            row = _parse_row(line, shard, lineno)
+            p, r = row["prompt_ids"], row["response_ids"]
+            seqs.append(Sequence(str(row["id"]), p + r, len(p), bool(row.get("finished", False)),
+                                 str(row.get("source", "?")), row.get("kind", "chat")))
     return seqs
+
+
+def pack_dataset(data_dir: str | Path) -> dict:
+    """Pack the plain shards of a data directory in place: each ``data-N.jsonl`` becomes
+    ``data-N.jsonl.gz`` (gzip level 9, no timestamp, so the same rows give the same
+    bytes), its sha256, size and row count go into the manifest's ``packed`` table, and
+    the plain shard is removed. A later ``dspine data build --resume`` appends to a new
+    plain shard; packing again packs only that one. Returns the manifest.
+
+    Raises:
+        ValueError: no manifest, or a damaged row (names the shard and line).
+    """
+    import gzip
+    import hashlib
+
+    d = Path(data_dir)
+    man = read_manifest(d)
+    if man is None:
+        raise ValueError(f"{d} has no {MANIFEST}: not a dspine data directory")
+    lock = _lock_dir(d)  # not while a build writes here
+    try:
+        packed = man.setdefault("packed", {})
+        for shard in _shards(d):
+            raw = shard.read_bytes()
+            raw = raw[: raw.rfind(b"\n") + 1]  # a torn tail is not packed
+            rows = 0
+            for lineno, line in enumerate(raw.splitlines(), 1):
+                _parse_row(line, shard, lineno)
+                rows += 1
+            gz = gzip.compress(raw, compresslevel=9, mtime=0)
+            dest = shard.with_name(shard.name + ".gz")
+            tmp = dest.with_name(dest.name + ".tmp")
+            tmp.write_bytes(gz)
+            os.replace(tmp, dest)
+            packed[dest.name] = {"sha256": hashlib.sha256(gz).hexdigest(), "bytes": len(gz), "rows": rows,
+                                 "raw_bytes": len(raw)}
+            man["shards"] = [p.name for p in _all_shards(d) if p != shard]
+            _write_json_atomic(d / MANIFEST, man)
+            shard.unlink()
+        man["shards"] = [p.name for p in _all_shards(d)]
+        man["packed_bytes"] = sum(v["bytes"] for v in packed.values())
+        _write_json_atomic(d / MANIFEST, man)
+        return man
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def verify_packed(data_dir: str | Path, man: dict | None = None) -> None:
+    """Check every packed shard against the sha256 in the manifest.
+
+    Raises:
+        ValueError: a packed shard listed in the manifest is missing or its bytes differ
+            (names the file), or a packed shard is not listed.
+    """
+    import hashlib
+
+    d = Path(data_dir)
+    man = man if man is not None else (read_manifest(d) or {})
+    table = man.get("packed", {})
+    for shard in _packed(d):
+        e = table.get(shard.name)
+        if e is None:
+            raise ValueError(f"{shard} is not listed in {d / MANIFEST} (packed shards are checked by sha256)")
+        if hashlib.sha256(shard.read_bytes()).hexdigest() != e.get("sha256"):
+            raise ValueError(f"{shard} differs from the sha256 in {d / MANIFEST}: the data is damaged; "
+                             f"restore it from the repository")
+    missing = sorted(set(table) - {p.name for p in _packed(d)})
+    if missing:
+        raise ValueError(f"{d}: packed shards {missing[:3]} listed in {MANIFEST} are missing")
 
 
 def _ids_ok(v) -> bool:

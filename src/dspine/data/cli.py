@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..argtypes import nonneg_int, positive_int, thread_count
-from .build import MANIFEST, build_dataset, parse_shard, read_manifest
+from .build import MANIFEST, build_dataset, pack_dataset, parse_shard, read_manifest
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
@@ -41,12 +41,19 @@ def _cmd_build(args) -> int:
     return 0
 
 
+def _cmd_pack(args) -> int:
+    man = pack_dataset(args.dir)
+    print(json.dumps({"dir": str(args.dir), "shards": man["shards"], "packed_bytes": man.get("packed_bytes"),
+                      "counts": man.get("counts")}))
+    return 0
+
+
 def _cmd_info(args) -> int:
     man = read_manifest(args.dir)
     if man is None:
         raise ValueError(f"{args.dir} has no {MANIFEST}")
     print(json.dumps({k: man.get(k) for k in ("target", "counts", "complete", "sources", "sampling",
-                                              "updated")}, indent=1))
+                                              "updated", "shards", "packed_bytes")}, indent=1))
     return 0
 
 
@@ -60,6 +67,10 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     text = sub.add_parser("text", help="teacher-forcing sequences from existing text (fast, EAGLE-style)")
     add_text_args(text)
     text.set_defaults(func=cmd_text)
+    pack = sub.add_parser("pack", help="gzip a data directory's shards in place, sha256 in the manifest "
+                                       "(to commit them; build --resume appends new shards afterwards)")
+    pack.add_argument("dir")
+    pack.set_defaults(func=_cmd_pack)
     info = sub.add_parser("info", help="print a data directory's manifest summary")
     info.add_argument("dir")
     info.set_defaults(func=_cmd_info)
