@@ -131,7 +131,7 @@ def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):
         if text is COPY_PROMPT:  # the copy source really proposed, and was accepted
             assert r.stats.sources["ngram"]["accepted"] > 0, r.stats.sources
     if policy == "cost" and name == "hybrid":
-        assert isinstance(pol, PerSourcePolicy) and set(pol.policies) == {"draft", "ngram"}
+        assert isinstance(pol, PerSourcePolicy) and set(pol.policies) == {"draft", "ngram", "ngram1"}
 
 
 def test_batched_hybrid_equals_ar(smol, shipped_dspine):
@@ -224,9 +224,9 @@ def _per_source_policy() -> PerSourcePolicy:
     (exploring often, so n varies with the history); the untrained drafter always
     verifies its whole block (a cost policy would learn to skip it)."""
     curve = CostCurve([1.0, 1.15, 1.3, 1.45])
-    return PerSourcePolicy({"draft": FixedPolicy(), "ngram": CostModelPolicy(curve, prior_accept=0.5,
-                                                                          explore_every=2, source="ngram")},
-                           "ngram")
+    return PerSourcePolicy({"draft": FixedPolicy(),
+                            **{s: CostModelPolicy(curve, prior_accept=0.5, explore_every=2, source=s)
+                               for s in ("ngram", "ngram1")}}, "ngram")
 
 
 def test_distribution_hybrid(tiny8, exact):
@@ -236,8 +236,8 @@ def test_distribution_hybrid(tiny8, exact):
     p, impossible, used = chi_square(eng, exact, 600)
     assert impossible == 0
     assert p > 1e-3, p
-    assert used["ngram"] > 50 and used["draft"] > 50, used  # both sources really proposed
-    assert len(set(pol.policies["ngram"].decisions)) >= 2  # the copy's n really varied
+    assert used["ngram"] + used["ngram1"] > 50 and used["draft"] > 50, used  # both really proposed
+    assert len(set(pol.policies["ngram1"].decisions)) >= 2  # the copy's n really varied
 
 
 class PeekingHybrid(HybridProposer):
@@ -287,3 +287,27 @@ def test_cli_generate_proposer(capsys):
     assert main(["generate", "x", "--target", "random:llama", "--drafter", "random", "--ngram-max", "2",
                  "--ngram-min", "3"]) == 2
     assert "--ngram-min 3" in capsys.readouterr().err
+
+
+def test_per_source_policy_picks_the_better_source():
+    """pick(): the source with the higher expected tokens per second from its own record;
+    an untried copy (no drafter cost) wins over a drafter at the same prior."""
+    curve = CostCurve([1.0, 1.1, 1.2, 1.3], propose_s=[0.0, 0.5, 0.5, 0.5])  # drafting costs 0.5
+    pol = make_policy("cost", proposer=HybridProposer(PeakedProposer(0), NgramProposer(4)), cost=curve)
+    assert isinstance(pol, PerSourcePolicy)
+
+    class R:  # the engine request fields the policy reads
+        cycles: list = []
+        source = ""
+
+    req = R()
+    copy, draft = Plan("ngram1", 3, 1), Plan("draft", 3)
+    assert pol.pick(req, [copy, draft]) is copy
+    from dspine.engine import CycleRecord
+
+    # one-token copies always rejected, drafts always fully accepted: the drafter wins
+    req.cycles = [CycleRecord(3, 1, 0.0, 0.0, 1.3, 1.3, source="ngram1"),
+                  CycleRecord(3, 4, 0.5, 0.0, 1.3, 1.8, source="draft")] * 20
+    assert pol.pick(req, [copy, draft]) is draft
+    # the one-token copies' record does not count against longer copies (priced apart)
+    assert pol.pick(req, [Plan("ngram", 3, 3), copy]).source == "ngram"

@@ -32,8 +32,9 @@ def add_proposer_args(p: argparse.ArgumentParser) -> None:
                         "lookup, no drafter)")
     p.add_argument("--ngram-max", type=positive_int, default=4,
                    help="longest suffix of the context the copy proposer matches (tokens)")
-    p.add_argument("--ngram-min", type=positive_int, default=2,
-                   help="shortest suffix match that proposes a copy (tokens)")
+    p.add_argument("--ngram-min", type=positive_int, default=1,
+                   help="shortest suffix match that offers a copy (tokens); the hybrid's cost policy "
+                        "prices one-token matches apart from longer ones")
 
 
 def default_drafter_path(target: str, mode: str) -> Path | None:
@@ -46,7 +47,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                  block_size: int | None = None, seed: int = 0, device: str = "cpu",
                  verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
                  progress: bool = False, persist: bool = False, linear_backend: str = "aten",
-                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 2):
+                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for

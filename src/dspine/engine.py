@@ -252,8 +252,12 @@ class Engine:
             req.source = ""
             return 0
         planner = getattr(self.proposer, "plan", None)  # proposers without plan(): one source
-        plan = planner(req.draft_state, req.anchor, n_max) if planner is not None and n_max > 0 \
-            else Plan(getattr(self.proposer, "source", "draft"), n_max)
+        if planner is None or n_max <= 0:
+            plan = Plan(getattr(self.proposer, "source", "draft"), n_max)
+        elif getattr(self.proposer, "offers_alternatives", False) and hasattr(self.verify_policy, "pick"):
+            plan = planner(req.draft_state, req.anchor, n_max, pick=lambda plans: self.verify_policy.pick(req, plans))
+        else:
+            plan = planner(req.draft_state, req.anchor, n_max)
         req.source = plan.source
         return max(0, min(n_max, int(plan.max_n)))
 

@@ -549,6 +549,23 @@ class PerSourcePolicy(VerifyPolicy):
         src = getattr(req, "source", "") or self.default
         return self.policies.get(src, self.policies[self.default])(req, n_max)
 
+    def rate(self, req, source: str, n_max: int) -> float:
+        """Expected tokens per second of the best n <= ``n_max`` for ``source``, from that
+        source's statistics (this request's and the pooled ones) and cost; 0 for a source
+        without a cost policy."""
+        pol = self.policies.get(source)
+        if not isinstance(pol, CostModelPolicy) or n_max <= 0:
+            return 0.0
+        st = pol._state(req)
+        n_max = min(n_max, pol.cost.n_max)
+        e = pol.expected_tokens(pol.confidence(st.stats, n_max))
+        return max(e[n] / c for n in range(n_max + 1) if (c := pol.cycle_cost(n)) > 0)
+
+    def pick(self, req, plans: list):
+        """The plan (:class:`~dspine.proposers.base.Plan`) with the highest :meth:`rate`;
+        the first on ties. Reads only completed cycles: non-anticipating."""
+        return max(plans, key=lambda p: (self.rate(req, p.source, p.max_n), -plans.index(p)))
+
 
 def copy_cost(curve: CostCurve) -> CostCurve:
     """``curve`` for a proposer that drafts for free (copies): the target's verification
@@ -582,7 +599,7 @@ def _sources(proposer) -> list[str]:
     if proposer is None:
         return ["draft"]
     if getattr(proposer, "ngram", None) is not None and getattr(proposer, "drafter_proposer", None) is not None:
-        return [getattr(proposer.drafter_proposer, "source", "draft"), "ngram"]
+        return [getattr(proposer.drafter_proposer, "source", "draft"), "ngram", "ngram1"]
     return [getattr(proposer, "source", "draft")]
 
 
@@ -611,7 +628,8 @@ def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
                 drafting = None  # copies cost only the verification
             cost = measure_cost(target, drafting, n_max=n_max, progress=progress)
         sources = _sources(proposer)
-        pols = {s: CostModelPolicy(copy_cost(cost) if s == "ngram" else cost, source=s if len(sources) > 1 else None)
+        pols = {s: CostModelPolicy(copy_cost(cost) if s.startswith("ngram") else cost,
+                                   source=s if len(sources) > 1 else None)
                 for s in sources}
         pol = pols[sources[0]]
         pol.profile_key = profile_key(target, proposer) if persist and target is not None else None

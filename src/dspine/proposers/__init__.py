@@ -19,7 +19,7 @@ PROPOSERS = ("drafter", "ngram", "hybrid")
 
 
 def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngram_max: int = 4,
-                  ngram_min: int = 2) -> Proposer:
+                  ngram_min: int = 1) -> Proposer:
     """The proposer ``name`` (see :data:`PROPOSERS`) over ``drafter`` (a
     :class:`DrafterProposer`; unused for ``ngram``).
 

@@ -10,11 +10,13 @@ like any sparse q.
 
 Per cycle the engine calls, in this order:
 
-1. :meth:`Proposer.plan` (state, anchor, n_max) -> :class:`Plan`: which *source* this
-   cycle uses and how many proposals it can offer at most. It reads only the committed
-   context and the anchor, never a random draw, so the choice is non-anticipating and
-   sampling stays exact whatever the plan is (the same argument as the verification
-   length policy, :mod:`dspine.policy`).
+1. :meth:`Proposer.plan` (state, anchor, n_max, pick) -> :class:`Plan`: which *source*
+   this cycle uses and how many proposals it can offer at most. It reads only the
+   committed context and the anchor, never a random draw, so the choice is
+   non-anticipating and sampling stays exact whatever the plan is (the same argument as
+   the verification length policy, :mod:`dspine.policy`). A proposer with several
+   sources (the hybrid) lists the ones available and lets ``pick`` (the cost policy's
+   :meth:`~dspine.policy.PerSourcePolicy.pick`, from past cycles only) choose.
 2. the verification-length policy, ``policy(request, plan.max_n) -> n`` (it sees the
    plan's source as ``request.source``);
 3. :meth:`Proposer.propose` (n >= 1) -> :class:`Proposal`, from the planned source;
@@ -91,8 +93,12 @@ class Proposer:
         """Token ids of the committed positions start_pos..start_pos+len(tokens)-1 (the
         prompt at prefill; the anchor and accepted proposals after each cycle)."""
 
-    def plan(self, state, anchor: int, n_max: int) -> Plan:
-        """This cycle's source and its most proposals (see :class:`Plan`)."""
+    def plan(self, state, anchor: int, n_max: int, pick=None) -> Plan:
+        """This cycle's source and its most proposals (see :class:`Plan`).
+
+        ``pick``: optional ``pick(plans) -> Plan`` (the cost policy's choice among
+        alternatives, from past statistics only); a proposer with a single source
+        ignores it."""
         return Plan(self.source, n_max)
 
     def propose(self, state, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,

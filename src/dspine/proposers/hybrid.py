@@ -4,13 +4,14 @@ A learned drafter and a copy-based proposer win on different text (issue 20): co
 are right for long stretches where the answer repeats the prompt (code edits, tool
 calls, format conversion), the drafter on new text. Each cycle :meth:`HybridProposer.plan`
 looks the context's suffix (anchor included) up in the request's n-gram index
-(:mod:`.ngram`): a match of at least ``min_match`` tokens with a continuation makes this
-a copy cycle (source ``ngram``, q a point mass), otherwise a drafter cycle (source
-``draft``, q the drafter's). The choice reads only committed tokens and the anchor, so
-it is made before any proposal is drawn and sampling stays exact (see
-:mod:`dspine.proposers.base`); the verification length is then priced per source by
-the cost policy (:class:`dspine.policy.PerSourcePolicy`), from each source's own
-observed acceptance and cost (a copy costs no drafter forward).
+(:mod:`.ngram`). Without a match the cycle drafts (source ``draft``, q the drafter's).
+With one, the copy (source ``ngram`` for a match of 2+ tokens, ``ngram1`` for a single
+token; q a point mass) and the drafter are both on offer, and the cost policy picks the
+one with the higher expected tokens per second from each source's own observed
+acceptance and cost (:meth:`dspine.policy.PerSourcePolicy.pick`; a copy costs no drafter
+forward); without a cost policy the copy is taken. The choice reads only committed
+tokens, the anchor and past cycles, so it is made before any proposal is drawn and
+sampling stays exact (see :mod:`dspine.proposers.base`).
 
 The drafter's context is committed every cycle, whichever source proposed: the target
 forward that verifies a copy also yields the features of the committed positions.
@@ -29,10 +30,11 @@ from .ngram import NgramIndex, NgramProposer
 class HybridState:
     """Per-request state: the drafter's (draft context K/V) and the n-gram index."""
 
-    __slots__ = ("draft", "index")
+    __slots__ = ("draft", "index", "chosen")
 
     def __init__(self, draft, index: NgramIndex):
         self.draft, self.index = draft, index
+        self.chosen: tuple[int, str] | None = None  # (anchor, source) of the last plan
 
     def nbytes(self) -> int:
         """Bytes of the drafter's context K/V (the index is small Python objects)."""
@@ -45,14 +47,18 @@ class HybridProposer(Proposer):
     Args:
         drafter: the learned drafter's proposer (:class:`~.drafter.DrafterProposer`).
         ngram: the copy proposer; its ``min_match`` is the shortest suffix match that
-            makes a cycle a copy cycle.
+            offers a copy.
+        strong_match: copies with a match of at least this many tokens are source
+            ``ngram``, shorter ones ``ngram1`` (priced apart by the cost policy).
     """
 
     needs_features = True
+    offers_alternatives = True
 
-    def __init__(self, drafter: Proposer, ngram: NgramProposer | None = None):
+    def __init__(self, drafter: Proposer, ngram: NgramProposer | None = None, strong_match: int = 2):
         self.drafter_proposer = drafter
         self.ngram = ngram or NgramProposer(drafter.block_size)
+        self.strong_match = strong_match
         self.block_size = drafter.block_size
         self.feature_layers = list(getattr(drafter, "feature_layers", []) or [])
         self.needs_features = getattr(drafter, "needs_features", True)
@@ -76,17 +82,42 @@ class HybridProposer(Proposer):
         self.drafter_proposer.observe(state.draft, tokens, start_pos)
         self.ngram.observe(state.index, tokens, start_pos)
 
-    def plan(self, state: HybridState, anchor: int, n_max: int) -> Plan:
-        p = self.ngram.plan(state.index, anchor, n_max)
-        if p.max_n > 0:
-            return p
-        return self.drafter_proposer.plan(state.draft, anchor, n_max)
+    def copy_source(self, match: int) -> str:
+        """The source name of a copy with a suffix match of ``match`` tokens: ``ngram`` for
+        ``match >= strong_match``, ``ngram1`` below (kept apart: a one-token match is right
+        far less often, and the cost policy prices each source by its own record)."""
+        return "ngram" if match >= self.strong_match else "ngram1"
+
+    def alternatives(self, state: HybridState, anchor: int, n_max: int) -> list[Plan]:
+        """The sources available this cycle: the copy (when the context's suffix matched)
+        first, then the drafter."""
+        k, cont = state.index.lookup(anchor, n_max, self.ngram.min_match)
+        out = [Plan(self.copy_source(k), len(cont), k)] if cont else []
+        return out + [self.drafter_proposer.plan(state.draft, anchor, n_max)]
+
+    def plan(self, state: HybridState, anchor: int, n_max: int, pick=None) -> Plan:
+        """The copy when there is one (or ``pick``'s choice among the alternatives); the
+        choice is kept in ``state`` for :meth:`propose`."""
+        alts = self.alternatives(state, anchor, n_max)
+        chosen = pick(alts) if pick is not None and len(alts) > 1 else alts[0]
+        state.chosen = (anchor, chosen.source)
+        return chosen
+
+    def _source(self, state: HybridState, anchor: int, n: int) -> str:
+        """The planned source for this anchor, or (no plan made) the default choice."""
+        if state.chosen is not None and state.chosen[0] == anchor:
+            return state.chosen[1]
+        return self.alternatives(state, anchor, n)[0].source
 
     def propose(self, state: HybridState, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,
                 gen: torch.Generator | None) -> Proposal:
-        """Propose ``n`` tokens from the source :meth:`plan` chooses for this context."""
-        if self.ngram.plan(state.index, anchor, n).max_n > 0:
-            return self.ngram.propose(state.index, anchor, anchor_pos, n, sampling, gen)
+        """Propose ``n`` tokens from the source :meth:`plan` chose for this context."""
+        src = self._source(state, anchor, n)
+        state.chosen = None
+        if src != self.drafter_proposer.source:
+            p = self.ngram.propose(state.index, anchor, anchor_pos, n, sampling, gen)
+            p.source = src
+            return p
         p = self.drafter_proposer.propose(state.draft, anchor, anchor_pos, n, sampling, gen)
         p.source = p.source or self.drafter_proposer.source
         return p
@@ -96,9 +127,10 @@ class HybridProposer(Proposer):
         out: list[Proposal | None] = [None] * len(reqs)
         draft_idx = []
         for j, (r, p, n) in enumerate(zip(reqs, positions, ns)):
-            if self.ngram.plan(r.draft_state.index, r.anchor, n).max_n > 0:
-                out[j] = self.ngram.propose(r.draft_state.index, r.anchor, p, n, r.sampling, r.gen)
+            if self._source(r.draft_state, r.anchor, n) != self.drafter_proposer.source:
+                out[j] = self.propose(r.draft_state, r.anchor, p, n, r.sampling, r.gen)
             else:
+                r.draft_state.chosen = None
                 draft_idx.append(j)
         if draft_idx:
             shim = [SimpleNamespace(draft_state=reqs[j].draft_state.draft, anchor=reqs[j].anchor,

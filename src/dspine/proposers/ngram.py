@@ -118,7 +118,7 @@ class NgramProposer(Proposer):
     feature_layers: list[int] = []
     source = "ngram"
 
-    def __init__(self, block_size: int = 16, max_ngram: int = 4, min_match: int = 2):
+    def __init__(self, block_size: int = 16, max_ngram: int = 4, min_match: int = 1):
         if block_size < 2:
             raise ValueError(f"--block-size {block_size} must be >= 2 for the n-gram proposer")
         if not 1 <= min_match <= max_ngram:
@@ -131,7 +131,7 @@ class NgramProposer(Proposer):
     def observe(self, state: NgramIndex, tokens: list[int], start_pos: int) -> None:
         state.observe(tokens, start_pos)
 
-    def plan(self, state: NgramIndex, anchor: int, n_max: int) -> Plan:
+    def plan(self, state: NgramIndex, anchor: int, n_max: int, pick=None) -> Plan:
         k, cont = state.lookup(anchor, n_max, self.min_match)
         return Plan(self.source, len(cont), k)
 
