@@ -94,6 +94,9 @@ def test_hybrid_plans_from_the_context_only(tiny256):
     h.observe(state, [1, 2, 3, 4, 1, 2], 0)
     assert h.plan(state, 3, 7) == Plan("ngram", 4, 3)  # (1, 2, 3) occurred: copy 4, 1, 2 and the anchor 3
     assert h.plan(state, 9, 7) == Plan("draft", 7)
+    assert h.alternatives(state, 4, 7)[0] == Plan("ngram1", 3, 1)  # one-token match: offered ...
+    assert h.plan(state, 4, 7) == Plan("draft", 7)  # ... but without a cost policy the drafter runs
+    assert h.plan(state, 4, 7, pick=lambda alts: alts[0]) == Plan("ngram1", 3, 1)
     assert h.propose(state, 3, 6, 2, SamplingConfig(), None).tokens.tolist() == [4, 1]
 
 

@@ -9,7 +9,7 @@ With one, the copy (source ``ngram`` for a match of 2+ tokens, ``ngram1`` for a 
 token; q a point mass) and the drafter are both on offer, and the cost policy picks the
 one with the higher expected tokens per second from each source's own observed
 acceptance and cost (:meth:`dspine.policy.PerSourcePolicy.pick`; a copy costs no drafter
-forward); without a cost policy the copy is taken. The choice reads only committed
+forward); without a cost policy a copy is taken when its match has 2+ tokens. The choice reads only committed
 tokens, the anchor and past cycles, so it is made before any proposal is drawn and
 sampling stays exact (see :mod:`dspine.proposers.base`).
 
@@ -96,18 +96,22 @@ class HybridProposer(Proposer):
         return out + [self.drafter_proposer.plan(state.draft, anchor, n_max)]
 
     def plan(self, state: HybridState, anchor: int, n_max: int, pick=None) -> Plan:
-        """The copy when there is one (or ``pick``'s choice among the alternatives); the
-        choice is kept in ``state`` for :meth:`propose`."""
+        """``pick``'s choice among the alternatives; without ``pick`` (no cost policy) a copy
+        with a match of ``strong_match`` tokens or more, else the drafter. The choice is kept
+        in ``state`` for :meth:`propose`."""
         alts = self.alternatives(state, anchor, n_max)
-        chosen = pick(alts) if pick is not None and len(alts) > 1 else alts[0]
+        if pick is not None and len(alts) > 1:
+            chosen = pick(alts)
+        else:
+            chosen = next(a for a in alts if a.source != "ngram1")
         state.chosen = (anchor, chosen.source)
         return chosen
 
     def _source(self, state: HybridState, anchor: int, n: int) -> str:
-        """The planned source for this anchor, or (no plan made) the default choice."""
+        """The planned source for this anchor, or (no plan made) the choice without a policy."""
         if state.chosen is not None and state.chosen[0] == anchor:
             return state.chosen[1]
-        return self.alternatives(state, anchor, n)[0].source
+        return self.plan(state, anchor, n).source
 
     def propose(self, state: HybridState, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,
                 gen: torch.Generator | None) -> Proposal:
