@@ -89,7 +89,7 @@ def test_point_mass_proposal():
 
 def test_hybrid_plans_from_the_context_only(tiny256):
     d = DrafterProposer(random_drafter(tiny256, block_size=8))
-    h = HybridProposer(d, NgramProposer(8, 3, 2))
+    h = HybridProposer(d, NgramProposer(8, 3, 1))
     state = h.new_state([1, 2, 3, 4, 1, 2])
     h.observe(state, [1, 2, 3, 4, 1, 2], 0)
     assert h.plan(state, 3, 7) == Plan("ngram", 4, 3)  # (1, 2, 3) occurred: copy 4, 1, 2 and the anchor 3
