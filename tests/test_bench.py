@@ -239,7 +239,7 @@ def test_harness_outputs(tiny_run):
     for f in ("results.jsonl", "summary.json", "report.md", "speedup.png", "acceptance.png", "cycle_split.png"):
         assert (out / f).stat().st_size > 0, f
     rec = [r for r in rows if not r["warmup"]]
-    assert len(rec) == 5 * 5 * 2  # workloads x modes x settings (1 prompt, 1 repeat)
+    assert len(rec) == len(W.WORKLOAD_NAMES) * 5 * 2  # workloads x modes x settings (1 prompt, 1 repeat)
     assert sum(r["warmup"] for r in rows) == 5 * 2
     env = rec[0]["env"]
     for k in ("torch", "transformers", "python", "torch_threads", "dtype", "device", "git_commit"):
