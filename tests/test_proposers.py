@@ -137,9 +137,11 @@ def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):
         assert isinstance(pol, PerSourcePolicy) and set(pol.policies) == {"draft", "ngram", "ngram1"}
 
 
-def test_batched_hybrid_equals_ar(smol, shipped_dspine):
+@pytest.mark.parametrize("policy", ["fixed", "cost"])
+def test_batched_hybrid_equals_ar(smol, shipped_dspine, policy):
     prop = make_proposer("hybrid", DrafterProposer(shipped_dspine))
-    be = BatchEngine(Engine(smol, prop, "dspine"), max_running=3)
+    pol = None if policy == "fixed" else make_policy("cost", smol, prop)
+    be = BatchEngine(Engine(smol, prop, "dspine", verify_policy=pol), max_running=3)
     prompts = [smol.encode_prompt(t, chat=True) for t in
                (COPY_PROMPT, "Write a Python function that reverses a string.", "List three colors.")]
     saved = smol.eos_token_ids
@@ -151,6 +153,8 @@ def test_batched_hybrid_equals_ar(smol, shipped_dspine):
     for ids, r in zip(prompts, res):
         assert r.token_ids == ar_continuation(smol, ids, 24)
     assert any("ngram" in r.stats.sources for r in res) and any("draft" in r.stats.sources for r in res)
+    if policy == "cost":  # one verification length per batched cycle, priced by the drafter's policy
+        assert be.batch_policy is not None and be.batch_policy.policy is pol.policies["draft"]
 
 
 # -- exact distribution (tiny random target) ------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 from .batch_policy import BatchCostPolicy
 from .config import SamplingConfig
 from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request, _observe
-from .policy import CostModelPolicy
+from .policy import CostModelPolicy, PerSourcePolicy
 from .proposers.base import Proposal
 from .sampling import sample_token
 from .verify import Verdict, verify
@@ -463,6 +463,8 @@ class BatchEngine:
         """The batch-level cost policy when the engine's policy is ``cost`` (rebuilt if
         the engine's policy object was replaced), else None (per-request choices)."""
         pol = self.engine.verify_policy
+        if isinstance(pol, PerSourcePolicy):  # hybrid: the batched forward is priced by the drafter's policy
+            pol = pol.policies[pol.default]
         if not isinstance(pol, CostModelPolicy):
             return None
         if self.batch_policy is None or self.batch_policy.policy is not pol:
