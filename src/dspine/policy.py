@@ -550,16 +550,18 @@ class PerSourcePolicy(VerifyPolicy):
         return self.policies.get(src, self.policies[self.default])(req, n_max)
 
     def rate(self, req, source: str, n_max: int) -> float:
-        """Expected tokens per second of the best n <= ``n_max`` for ``source``, from that
-        source's statistics (this request's and the pooled ones) and cost; 0 for a source
-        without a cost policy."""
+        """Expected tokens per second of the best n in 1..``n_max`` for ``source``, from
+        that source's statistics (this request's and the pooled ones) and cost; 0 for a
+        source without a cost policy. n = 0 (a plain target step) is left out: it is the
+        same step whichever source is chosen, so it must not decide between them (its
+        observed cost differs between sources only by noise)."""
         pol = self.policies.get(source)
         if not isinstance(pol, CostModelPolicy) or n_max <= 0:
             return 0.0
         st = pol._state(req)
         n_max = min(n_max, pol.cost.n_max)
         e = pol.expected_tokens(pol.confidence(st.stats, n_max))
-        return max(e[n] / c for n in range(n_max + 1) if (c := pol.cycle_cost(n)) > 0)
+        return max((e[n] / c for n in range(1, n_max + 1) if (c := pol.cycle_cost(n)) > 0), default=0.0)
 
     def pick(self, req, plans: list):
         """The plan (:class:`~dspine.proposers.base.Plan`) with the highest :meth:`rate`;
