@@ -137,13 +137,9 @@ def exact_distribution(target, prompt: list[int], m: int, sampling: SamplingConf
     return probs
 
 
-def chi_square(engine: Engine, exact: dict, n_samples: int) -> tuple[float, int]:
-    """(p-value, samples outside the support) of n_samples sequences vs ``exact``.
+def pooled_chi_square(counts: collections.Counter, exact: dict, n_samples: int) -> tuple[float, int]:
+    """(p-value, samples outside the support) of sampled sequence ``counts`` vs ``exact``.
     Cells with expected count < 5 are pooled into one."""
-    counts = collections.Counter()
-    for s in range(n_samples):
-        r = engine.generate(PROMPT, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=M)
-        counts[tuple(r.token_ids)] += 1
     impossible = sum(c for k, c in counts.items() if k not in exact)
     obs, exp, ro, re = [], [], 0, 0.0
     for k, pk in sorted(exact.items(), key=lambda kv: -kv[1]):
@@ -158,6 +154,15 @@ def chi_square(engine: Engine, exact: dict, n_samples: int) -> tuple[float, int]
     exp.append(re)
     assert len(obs) >= 8, "too few cells for a meaningful test"
     return float(stats.chisquare(obs, exp).pvalue), impossible
+
+
+def chi_square(engine: Engine, exact: dict, n_samples: int) -> tuple[float, int]:
+    """:func:`pooled_chi_square` of n_samples sequences of PROMPT sampled by ``engine``."""
+    counts = collections.Counter()
+    for s in range(n_samples):
+        r = engine.generate(PROMPT, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=M)
+        counts[tuple(r.token_ids)] += 1
+    return pooled_chi_square(counts, exact, n_samples)
 
 
 def varied_cost_policy() -> CostModelPolicy:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import collections
-import random
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from dspine.engine import Engine
 from dspine.policy import CostCurve, CostModelPolicy, FixedPolicy, PerSourcePolicy, make_policy
 from dspine.proposers import HybridProposer, NgramIndex, NgramProposer, Plan, make_proposer
 from dspine.proposers.ngram import point_mass
-from test_policy import SAMPLING, PeakedProposer, _likely_second_token, exact_distribution
+from test_policy import SAMPLING, PeakedProposer, _likely_second_token, exact_distribution, pooled_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -178,27 +177,13 @@ def exact(tiny8):
 
 def chi_square(engine: Engine, exact: dict, n_samples: int) -> tuple[float, int, collections.Counter]:
     """(p-value, samples outside the support, proposals verified per source) of n_samples
-    sequences of PROMPT vs ``exact`` (cells with expected count < 5 pooled), as
-    ``test_policy.chi_square``."""
-    from scipy import stats
-
+    sequences of PROMPT vs ``exact`` (``test_policy.pooled_chi_square``)."""
     counts, used = collections.Counter(), collections.Counter()
     for s in range(n_samples):
         r = engine.generate(PROMPT, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=M)
         counts[tuple(r.token_ids)] += 1
         used.update({k: v["proposed"] for k, v in r.stats.sources.items()})
-    impossible = sum(c for k, c in counts.items() if k not in exact)
-    obs, exp, ro, re = [], [], 0, 0.0
-    for k, pk in sorted(exact.items(), key=lambda kv: -kv[1]):
-        if pk * n_samples >= 5:
-            obs.append(counts[k])
-            exp.append(pk * n_samples)
-        else:
-            ro, re = ro + counts[k], re + pk * n_samples
-    obs.append(ro)
-    exp.append(re)
-    assert len(obs) >= 8, "too few cells for a meaningful test"
-    return float(stats.chisquare(obs, exp).pvalue), impossible, used
+    return (*pooled_chi_square(counts, exact, n_samples), used)
 
 
 def test_distribution_ngram_alone(tiny8, exact):

@@ -117,7 +117,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "measured on this machine, cached) | aten | onednn")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
     p.add_argument("--pld-tokens", type=positive_int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
-    p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools or all (default all)")
+    p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools,edit or all (default all)")
     p.add_argument("--limit", type=positive_int, default=None, help="at most N prompts per workload (default: all; smoke 1)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="override every workload's output budget (default: each workload's own; smoke 16)")
     p.add_argument("--context-tokens", type=positive_int, default=None, help="prompt + output budget (default 2048; smoke 512)")

@@ -51,7 +51,7 @@ def _cmd_pack(args) -> int:
 def _cmd_info(args) -> int:
     man = read_manifest(args.dir)
     if man is None:
-        raise ValueError(f"{args.dir} has no {MANIFEST}")
+        raise ValueError(f"{args.dir} has no {MANIFEST}: not a dspine data directory")
     print(json.dumps({k: man.get(k) for k in ("target", "counts", "complete", "sources", "sampling",
                                               "updated", "shards", "packed_bytes")}, indent=1))
     return 0
@@ -67,9 +67,10 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     text = sub.add_parser("text", help="teacher-forcing sequences from existing text (fast, EAGLE-style)")
     add_text_args(text)
     text.set_defaults(func=cmd_text)
-    pack = sub.add_parser("pack", help="gzip a data directory's shards in place, sha256 in the manifest "
-                                       "(to commit them; build --resume appends new shards afterwards)")
-    pack.add_argument("dir")
+    pack_help = ("gzip a data directory's shards in place, sha256 in the manifest "
+                 "(to commit them; build --resume appends new shards afterwards)")
+    pack = sub.add_parser("pack", help=pack_help, description=pack_help[0].upper() + pack_help[1:] + ".")
+    pack.add_argument("dir", help="a `dspine data build` directory (with manifest.json)")
     pack.set_defaults(func=_cmd_pack)
     info = sub.add_parser("info", help="print a data directory's manifest summary")
     info.add_argument("dir")
