@@ -424,3 +424,29 @@ def test_pack_resume_and_load(tiny, tmp_path):
     gz.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="data-00000.jsonl.gz differs from the sha256"):
         B.load_dataset(out, tiny)
+
+
+def test_pack_refuses_what_would_lose_rows(tiny, tmp_path):
+    """pack never overwrites a packed shard, never drops a last row without a newline and
+    refuses a directory whose packed shards differ from the manifest (nothing written)."""
+    out = tmp_path / "ds"
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 3))], out, max_new_tokens=4, batch_size=2,
+                    progress=False)
+    B.pack_dataset(out)
+    plain = out / "data-00000.jsonl"
+    plain.write_text(json.dumps({"id": "x", "prompt_ids": [1], "response_ids": [2]}) + "\n")
+    with pytest.raises(ValueError, match="both exist"):
+        B.pack_dataset(out)
+    plain.rename(out / "data-00001.jsonl")
+    (out / "data-00001.jsonl").write_text(json.dumps({"id": "x", "prompt_ids": [1], "response_ids": [2]}))
+    with pytest.raises(ValueError, match="ends without a newline"):
+        B.pack_dataset(out)
+    assert (out / "data-00001.jsonl").exists() and not (out / "data-00001.jsonl.gz").exists()
+    (out / "data-00001.jsonl").unlink()
+    (out / "data-00009.jsonl.gz").write_bytes(b"stray")
+    before = (out / "manifest.json").read_bytes()
+    with pytest.raises(ValueError, match="not listed"):
+        B.pack_dataset(out)
+    assert (out / "manifest.json").read_bytes() == before
+    with pytest.raises(ValueError, match="does not exist"):
+        B.pack_dataset(tmp_path / "nothing")

@@ -303,3 +303,18 @@ def test_per_source_policy_picks_the_better_source():
     assert pol.pick(req, [copy, draft]) is draft
     # the one-token copies' record does not count against longer copies (priced apart)
     assert pol.pick(req, [Plan("ngram", 3, 3), copy]).source == "ngram"
+
+
+def test_cli_proposer_settings_refused_or_noted(capsys):
+    from dspine.cli import main
+
+    assert main(["generate", "x", "--target", "random:llama", "--proposer", "ngram", "--ngram-max", "100"]) == 2
+    assert "--ngram-max 100 must be in 1..16" in capsys.readouterr().err
+    assert main(["generate", "x", "--target", "random:llama", "--proposer", "ngram", "--block-size", "0"]) == 2
+    assert "--block-size 0" in capsys.readouterr().err
+    assert main(["generate", "x", "--target", "random:llama", "--proposer", "ngram", "--drafter", "/nonexistent",
+                 "--max-new-tokens", "2", "--no-progress"]) == 0
+    assert "--drafter /nonexistent ignored" in capsys.readouterr().err
+    assert main(["bench", "--target", "random:llama", "--modes", "ar,dspine", "--proposer", "ngram",
+                 "--workloads", "short", "--limit", "1", "--out", "/tmp/dspine-never-written"]) == 2
+    assert "use --modes ngram" in capsys.readouterr().err

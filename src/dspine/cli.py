@@ -24,7 +24,8 @@ DEFAULT_PROPOSER = "hybrid"
 
 
 def add_proposer_args(p: argparse.ArgumentParser) -> None:
-    """``--proposer``, ``--ngram-max``, ``--ngram-min`` (generate, serve, bench, acceptance)."""
+    """``--proposer``, ``--ngram-max``, ``--ngram-min`` of ``generate`` and ``serve`` (``bench``
+    and ``acceptance`` take ``--proposer`` alone and use the defaults of the other two)."""
     p.add_argument("--proposer", default=DEFAULT_PROPOSER, choices=["drafter", "ngram", "hybrid"],
                    help="what proposes tokens: hybrid (the default: a copy of the request's own earlier "
                         "text where its last tokens repeat, the drafter elsewhere, chosen per cycle before "
@@ -83,6 +84,10 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
     if proposer not in PROPOSERS:
         raise EngineError(f"--proposer {proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
+    from .proposers.ngram import NgramIndex
+
+    if not 1 <= ngram_max <= NgramIndex.MAX_NGRAM:
+        raise EngineError(f"--ngram-max {ngram_max} must be in 1..{NgramIndex.MAX_NGRAM}")
     if not 1 <= ngram_min <= ngram_max:
         raise EngineError(f"--ngram-min {ngram_min} must be in 1..--ngram-max ({ngram_max})")
     if device == "auto":  # as `dspine train --device auto`
@@ -108,7 +113,8 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     if proposer == "ngram":  # copies only: no drafter is loaded
         validate_runtime(target, None, **guard)
         apply_linear_backend(target, linear_backend, progress=progress)
-        prop = make_proposer("ngram", None, block_size=block_size or 16, ngram_max=ngram_max, ngram_min=ngram_min)
+        prop = make_proposer("ngram", None, block_size=16 if block_size is None else block_size,
+                             ngram_max=ngram_max, ngram_min=ngram_min)
         with torch.no_grad():
             policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop, progress=progress)
         return target, Engine(target, prop, mode, verify_policy=policy)
@@ -119,7 +125,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                               f"--drafter PATH (a trained checkpoint) or --drafter random")
         drafter = str(path)
     if drafter == "random":
-        model = random_drafter(target, mode=mode, block_size=block_size or 16, seed=seed, dtype=dt)
+        model = random_drafter(target, mode=mode, block_size=16 if block_size is None else block_size, seed=seed, dtype=dt)
     else:
         model = load_drafter(drafter, target, dtype=dt, block_size=block_size)
         want_bridge = mode == "dspine"
@@ -193,6 +199,24 @@ def _save_profile(engine) -> None:
             print(f"dspine: note: could not save the acceptance profile ({e})", file=sys.stderr)
 
 
+def proposer_notes(args) -> list[str]:
+    """Notes for proposer options that have no effect with the others given (generate, serve)."""
+    notes = []
+    prop = getattr(args, "proposer", DEFAULT_PROPOSER)
+    ngram_set = (getattr(args, "ngram_max", 4), getattr(args, "ngram_min", 1)) != (4, 1)
+    if args.mode == "ar":
+        if prop != DEFAULT_PROPOSER or ngram_set:
+            notes.append("--proposer / --ngram-max / --ngram-min ignored: --mode ar proposes nothing")
+        return notes
+    if prop == "ngram" and args.drafter is not None:
+        notes.append(f"--drafter {args.drafter} ignored: --proposer ngram proposes copies, no drafter runs")
+    if prop == "ngram" and args.mode != "dspine":
+        notes.append(f"--mode {args.mode} ignored: --proposer ngram runs no drafter")
+    if prop == "drafter" and ngram_set:
+        notes.append("--ngram-max / --ngram-min ignored: --proposer drafter makes no copies")
+    return notes
+
+
 def ignored_settings(args, sampling) -> list[str]:
     """Notes for options that have no effect with the others given (as HF generate warns)."""
     notes = []
@@ -203,8 +227,7 @@ def ignored_settings(args, sampling) -> list[str]:
             notes.append(f"{', '.join(set_)} ignored: --temperature 0 is greedy decoding")
     if args.mode == "ar" and (args.drafter is not None or args.block_size is not None):
         notes.append("--drafter / --block-size ignored: --mode ar runs the target alone")
-    if args.mode == "ar" and getattr(args, "proposer", None) not in (None, DEFAULT_PROPOSER):
-        notes.append(f"--proposer {args.proposer} ignored: --mode ar proposes nothing")
+    notes += proposer_notes(args)
     if args.mode == "ar" and getattr(args, "verify_policy", None) not in (None, "fixed"):
         notes.append(f"--verify-policy {args.verify_policy} ignored: --mode ar verifies no drafted tokens")
     return notes

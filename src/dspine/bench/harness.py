@@ -244,6 +244,13 @@ class Harness:
         # the same guards as generate/serve, before anything is loaded (GuardError names the setting)
         validate_runtime(None, None, dtype=cfg.dtype, device=cfg.device, concurrency=max(cfg.concurrency),
                          verify_policy=cfg.verify_policy)
+        from ..proposers import PROPOSERS
+
+        if cfg.proposer not in PROPOSERS:
+            raise BenchError(f"--proposer {cfg.proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
+        if cfg.proposer == "ngram" and {"dflash", "dspine"} & set(cfg.modes):
+            raise BenchError("--proposer ngram with --modes dflash/dspine: copies alone are the `ngram` mode; "
+                             "use --modes ngram (or --proposer hybrid / drafter for the drafter modes)")
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         self.drafters = resolve_drafters(cfg)
@@ -259,10 +266,6 @@ class Harness:
         self.target = target if target is not None else load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
         if target is None or cfg.linear_backend != "auto":  # one backend for every mode (a fair run)
             apply_linear_backend(self.target, cfg.linear_backend, progress=progress_notes())
-        from ..proposers import PROPOSERS
-
-        if cfg.proposer not in PROPOSERS:
-            raise BenchError(f"--proposer {cfg.proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
         self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,
                                     cfg.verify_policy, cfg.proposer)
                         for m in cfg.modes}

@@ -162,14 +162,15 @@ class EngineRunner(Runner):
             self.block_size = 1
             return
         if mode == "ngram":  # copies of the request's own text, no drafter (ours, beside hf-pld)
-            self.engine = Engine(target, make_proposer("ngram", None, block_size=block_size or 16), "ngram")
+            self.engine = Engine(target, make_proposer("ngram", None, block_size=16 if block_size is None else block_size),
+                                 "ngram")
             self.block_size = self.engine.proposer.block_size
             return
         if drafter is None:
             raise EngineError(f"--mode {mode} needs a drafter (a checkpoint directory or 'random')")
         dt = target.dtype
         if drafter == "random":
-            model = random_drafter(target, mode=mode, block_size=block_size or 16, seed=seed, dtype=dt)
+            model = random_drafter(target, mode=mode, block_size=16 if block_size is None else block_size, seed=seed, dtype=dt)
             self.drafter_path = "random"
         else:
             model = load_drafter(drafter, target, dtype=dt, block_size=block_size)

@@ -83,7 +83,16 @@ def _packed(out: Path) -> list[Path]:
 
 
 def _index(shard: Path) -> int:
-    return int(shard.name.split(".")[0].split("-")[1])
+    """The shard number of ``data-NNNNN.jsonl[.gz]``.
+
+    Raises:
+        ValueError: a file named like a shard whose number is not an integer (names it).
+    """
+    num = shard.name.split(".")[0][len("data-"):]
+    if not num.isdigit():
+        raise ValueError(f"{shard} is not a shard name (data-NNNNN.jsonl or .jsonl.gz); move it out of "
+                         f"{shard.parent}")
+    return int(num)
 
 
 def _all_shards(out: Path) -> list[Path]:
@@ -506,27 +515,35 @@ def pack_dataset(data_dir: str | Path) -> dict:
     import gzip
     import hashlib
 
-    d = Path(data_dir)
+    d = _data_dir(data_dir)
     man = read_manifest(d)
     if man is None:
         raise ValueError(f"{d} has no {MANIFEST}: not a dspine data directory")
     lock = _lock_dir(d)  # not while a build writes here
     try:
+        verify_packed(d, man)  # a damaged directory is refused before anything is written
         packed = man.setdefault("packed", {})
-        for shard in _shards(d):
+        todo = []
+        for shard in _shards(d):  # check every plain shard before packing any
+            _index(shard)
+            dest = shard.with_name(shard.name + ".gz")
+            if dest.exists():
+                raise ValueError(f"{shard} and {dest.name} both exist: packing would overwrite the packed "
+                                 f"rows; move one of them out of {d}")
             raw = shard.read_bytes()
-            raw = raw[: raw.rfind(b"\n") + 1]  # a torn tail is not packed
-            rows = 0
+            if raw and not raw.endswith(b"\n"):
+                raise ValueError(f"{shard} ends without a newline (an interrupted write?): `dspine data build "
+                                 f"... --resume` cuts a torn last line; or fix the file, then pack again")
             for lineno, line in enumerate(raw.splitlines(), 1):
                 _parse_row(line, shard, lineno)
-                rows += 1
+            todo.append((shard, dest, raw))
+        for shard, dest, raw in todo:
             gz = gzip.compress(raw, compresslevel=9, mtime=0)
-            dest = shard.with_name(shard.name + ".gz")
             tmp = dest.with_name(dest.name + ".tmp")
             tmp.write_bytes(gz)
             os.replace(tmp, dest)
-            packed[dest.name] = {"sha256": hashlib.sha256(gz).hexdigest(), "bytes": len(gz), "rows": rows,
-                                 "raw_bytes": len(raw)}
+            packed[dest.name] = {"sha256": hashlib.sha256(gz).hexdigest(), "bytes": len(gz),
+                                 "rows": len(raw.splitlines()), "raw_bytes": len(raw)}
             man["shards"] = [p.name for p in _all_shards(d) if p != shard]
             _write_json_atomic(d / MANIFEST, man)
             shard.unlink()
@@ -537,6 +554,20 @@ def pack_dataset(data_dir: str | Path) -> dict:
     finally:
         if lock is not None:
             lock.close()
+
+
+def _data_dir(path: str | Path) -> Path:
+    """``path`` as an existing directory.
+
+    Raises:
+        ValueError: it does not exist or is not a directory (names it).
+    """
+    d = Path(path)
+    if not d.exists():
+        raise ValueError(f"{d} does not exist")
+    if not d.is_dir():
+        raise ValueError(f"{d} is not a directory (a data directory holds manifest.json and data-*.jsonl shards)")
+    return d
 
 
 def verify_packed(data_dir: str | Path, man: dict | None = None) -> None:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..argtypes import nonneg_int, positive_int, thread_count
-from .build import MANIFEST, build_dataset, pack_dataset, parse_shard, read_manifest
+from .build import MANIFEST, _data_dir, build_dataset, pack_dataset, parse_shard, read_manifest, verify_packed
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
@@ -49,9 +49,10 @@ def _cmd_pack(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    man = read_manifest(args.dir)
+    man = read_manifest(_data_dir(args.dir))
     if man is None:
         raise ValueError(f"{args.dir} has no {MANIFEST}: not a dspine data directory")
+    verify_packed(args.dir, man)  # packed shards as committed (sha256), or a clear error
     print(json.dumps({k: man.get(k) for k in ("target", "counts", "complete", "sources", "sampling",
                                               "updated", "shards", "packed_bytes")}, indent=1))
     return 0

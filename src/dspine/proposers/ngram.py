@@ -40,9 +40,11 @@ class NgramIndex:
         count: n-gram -> occurrences with a known continuation.
     """
 
+    MAX_NGRAM = 16  # longer matches change nothing measurable (benchmarks/ngram_tuning.json); memory ~ max x context
+
     def __init__(self, max_ngram: int = 4):
-        if max_ngram < 1:
-            raise ValueError(f"--ngram-max {max_ngram} must be >= 1")
+        if not 1 <= max_ngram <= self.MAX_NGRAM:
+            raise ValueError(f"--ngram-max {max_ngram} must be in 1..{self.MAX_NGRAM}")
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}
@@ -119,8 +121,11 @@ class NgramProposer(Proposer):
     source = "ngram"
 
     def __init__(self, block_size: int = 16, max_ngram: int = 4, min_match: int = 1):
-        if block_size < 2:
-            raise ValueError(f"--block-size {block_size} must be >= 2 for the n-gram proposer")
+        if not 2 <= block_size <= 64:
+            raise ValueError(f"--block-size {block_size} must be in 2..64 for the n-gram proposer "
+                             f"(at most block size - 1 copied tokens per cycle)")
+        if not 1 <= max_ngram <= NgramIndex.MAX_NGRAM:
+            raise ValueError(f"--ngram-max {max_ngram} must be in 1..{NgramIndex.MAX_NGRAM}")
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"--ngram-min {min_match} must be in 1..--ngram-max ({max_ngram})")
         self.block_size, self.max_ngram, self.min_match = block_size, max_ngram, min_match

@@ -32,7 +32,10 @@ def cmd_serve(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    from ..cli import DEFAULT_VERIFY_POLICY
+    from ..cli import DEFAULT_VERIFY_POLICY, proposer_notes
+
+    for note in proposer_notes(args):
+        print(f"dspine serve: note: {note}", file=sys.stderr, flush=True)
 
     if args.mode == "ar" and args.verify_policy not in (None, "fixed"):
         print(f"dspine serve: note: --verify-policy {args.verify_policy} ignored: --mode ar verifies "
