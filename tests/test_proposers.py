@@ -115,7 +115,7 @@ def shipped_dspine(smol):
 
 
 @pytest.mark.parametrize("name", ["ngram", "hybrid"])
-@pytest.mark.parametrize("policy", ["fixed", "cost"])
+@pytest.mark.parametrize("policy", [pytest.param("fixed", marks=pytest.mark.slow), "cost"])  # cost: the default
 def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):
     prop = make_proposer(name, DrafterProposer(shipped_dspine))
     pol = None if policy == "fixed" else make_policy("cost", smol, prop)
@@ -136,7 +136,7 @@ def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):
         assert isinstance(pol, PerSourcePolicy) and set(pol.policies) == {"draft", "ngram", "ngram1"}
 
 
-@pytest.mark.parametrize("policy", ["fixed", "cost"])
+@pytest.mark.parametrize("policy", [pytest.param("fixed", marks=pytest.mark.slow), "cost"])
 def test_batched_hybrid_equals_ar(smol, shipped_dspine, policy):
     prop = make_proposer("hybrid", DrafterProposer(shipped_dspine))
     pol = None if policy == "fixed" else make_policy("cost", smol, prop)
