@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from dspine.proposers.ngram import NgramIndex
+from dspine.tune.machine import describe
 
 DATA = Path(__file__).resolve().parent.parent / "training-data" / "smollm2-135m-regen"
 
@@ -52,7 +53,8 @@ def main() -> None:
     for shard in sorted(DATA.glob("data-*.jsonl.gz")):
         with gzip.open(shard, "rt", encoding="utf-8") as f:
             rows += [json.loads(line) for line in f]
-    res = {"what": __doc__.splitlines()[0], "data": str(DATA.name), "rows": len(rows), "results": []}
+    res = {"what": __doc__.splitlines()[0], "data": str(DATA.name), "rows": len(rows),
+           "machine": describe() + " (a simulation: the results do not depend on the machine)", "results": []}
     for kind in ("code", "chat"):
         part = [r for r in rows if (r.get("kind") == "code") == (kind == "code")]
         for mx, mn in ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (4, 3)):

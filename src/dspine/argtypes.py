@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+#: ``--proposer`` values (here, free of torch, so that parsers list them without importing
+#: the proposers): the drafter alone, copies alone, or the per-cycle hybrid (dspine.proposers)
+PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
+
 
 def _int(text: str) -> int:
     try:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import nonneg_int, positive_int, seed_int, thread_count
+from .argtypes import PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
@@ -26,7 +26,7 @@ DEFAULT_PROPOSER = "hybrid"
 def add_proposer_args(p: argparse.ArgumentParser) -> None:
     """``--proposer``, ``--ngram-max``, ``--ngram-min`` of ``generate`` and ``serve`` (``bench``
     and ``acceptance`` take ``--proposer`` alone and use the defaults of the other two)."""
-    p.add_argument("--proposer", default=DEFAULT_PROPOSER, choices=["drafter", "ngram", "hybrid"],
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER, choices=list(PROPOSER_NAMES),
                    help="what proposes tokens: hybrid (the default: a copy of the request's own earlier "
                         "text where its last tokens repeat, the drafter elsewhere, chosen per cycle before "
                         "anything is drawn) | drafter (the drafter alone) | ngram (copies alone: prompt "

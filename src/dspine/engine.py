@@ -383,14 +383,13 @@ class Engine:
     def kernel_info(self) -> dict:
         """What this engine runs: target dtype, device and threads, the verification
         policy, and the proposer's kernels (``Proposer.kernel_info`` when it has one)."""
-        info = {"proposer": getattr(self.proposer, "kernel_info", dict)().get("proposer", "drafter")
-                if self.proposer is not None else None,
+        prop = getattr(self.proposer, "kernel_info", dict)() if self.proposer is not None else {}
+        info = {"proposer": prop.get("proposer", "drafter") if self.proposer is not None else None,
                 "target_dtype": str(self.target.dtype).replace("torch.", ""),
                 "linear_backend": getattr(self.target, "linear_backend", "aten"),
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
                 "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None}
-        if self.proposer is not None and hasattr(self.proposer, "kernel_info"):
-            info.update(self.proposer.kernel_info())
+        info.update(prop)
         return info
 
     def result(self, req: Request) -> GenerationResult:

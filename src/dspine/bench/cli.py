@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import nonneg_int, positive_int, seed_int, thread_count
+from ..argtypes import PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count
 from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
 from .workloads import parse_workloads
 
@@ -104,7 +104,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--modes", default=None,
                    help="comma list of ar,dflash,dspine,ngram,hf,hf-pld or all (default all); ngram is dspine's "
                         "own prompt lookup (copies, no drafter)")
-    p.add_argument("--proposer", default=None, choices=["drafter", "ngram", "hybrid"],
+    p.add_argument("--proposer", default=None, choices=list(PROPOSER_NAMES),
                    help="what dflash/dspine propose with: hybrid (default, as generate and serve: copies where "
                         "the context repeats, the drafter elsewhere) | drafter (the drafter alone) | ngram")
     p.add_argument("--drafter", default=None, help="drafter for both speculative modes: 'random' or a directory")

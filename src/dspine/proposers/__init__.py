@@ -9,13 +9,11 @@
 """
 from __future__ import annotations
 
+from ..argtypes import PROPOSER_NAMES as PROPOSERS  # the --proposer values
 from .base import Plan, Proposal, Proposer
 from .drafter import DraftContextCache, DrafterProposer, propose_batch
 from .hybrid import HybridProposer, HybridState
 from .ngram import NgramIndex, NgramProposer
-
-#: ``--proposer`` values: the drafter alone, copies alone, or the per-cycle hybrid
-PROPOSERS = ("drafter", "ngram", "hybrid")
 
 
 def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngram_max: int = 4,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
+from ..argtypes import PROPOSER_NAMES, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
@@ -442,7 +442,7 @@ def add_train_parser(sub) -> None:
     a.add_argument("--max-new-tokens", type=positive_int, default=96)
     a.add_argument("--dtype", default="float32")
     a.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
-    a.add_argument("--proposer", default="drafter", choices=["drafter", "ngram", "hybrid"],
+    a.add_argument("--proposer", default="drafter", choices=list(PROPOSER_NAMES),
                    help="drafter (the default here: the drafter's own tau) | ngram (copies of the request's "
                         "own text) | hybrid (copies where the context repeats, the drafter elsewhere)")
     a.set_defaults(func=cmd_acceptance)
