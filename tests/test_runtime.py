@@ -18,17 +18,19 @@ from dspine.config import SamplingConfig
 from dspine.draft import DrafterProposer, load_drafter
 from dspine.engine import Engine
 from dspine.policy import FixedPolicy, make_policy
-from dspine.runtime.packed import (PackedLinear, apply_linear_backend, choose_linear_backend, is_packed,
-                                   onednn_available, pack_linears, packed_bytes, unpack_linears)
+from dspine.runtime.layout import is_column_major, model_is_column_major, set_column_major
+from dspine.runtime.packed import (LINEAR_BACKENDS, PackedLinear, apply_linear_backend, choose_linear_backend,
+                                   is_packed, onednn_available, pack_linears, packed_bytes, set_linear_backend,
+                                   unpack_linears)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")]
 
 
 @contextlib.contextmanager
-def packed(target):
-    """``target`` with oneDNN linears for the duration (shared fixtures are restored)."""
-    apply_linear_backend(target, "onednn")
+def packed(target, backend="onednn"):
+    """``target`` with ``backend`` linears for the duration (shared fixtures are restored)."""
+    apply_linear_backend(target, backend)
     try:
         yield target
     finally:
@@ -71,15 +73,60 @@ def test_pack_unpack_keeps_parameters_and_ties(tiny256):
     assert not is_packed(m) and all(type(x) is not PackedLinear for x in m.modules())
 
 
+def test_column_major_layout_keeps_values_identity_and_ties(tiny256):
+    m = tiny256.model
+    ref = {n: p.detach().clone() for n, p in m.named_parameters()}
+    ids = {n: id(p) for n, p in m.named_parameters()}
+    head = tiny256.output_head()
+    x = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        before = m(input_ids=x).logits
+    try:
+        assert set_column_major(m, True) > 0 and model_is_column_major(m)
+        assert set_column_major(m, True) == 0  # already so
+        assert tiny256.output_head() is head and is_column_major(head)
+        for n, p in m.named_parameters():
+            assert id(p) == ids[n] and torch.equal(p, ref[n]), n
+        with torch.no_grad():
+            after = m(input_ids=x).logits
+        assert torch.allclose(after, before, atol=1e-5, rtol=1e-5)
+    finally:
+        set_column_major(m, False)
+    assert not model_is_column_major(m) and all(p.is_contiguous() for p in m.parameters())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_mixed_linear_matches_linear(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160, bias=True)
+    holder = nn.Sequential(lin)
+    x = torch.randn(1, rows, 96)
+    ref = lin(x)
+    set_linear_backend(holder, "mixed")
+    p = holder[0]
+    assert isinstance(p, PackedLinear) and p.one_row_aten and is_column_major(p.weight)
+    assert torch.allclose(p(x), ref, atol=1e-5, rtol=1e-5)
+    set_linear_backend(holder, "onednn")  # switching re-packs without the one-row path, row-major again
+    assert not holder[0].one_row_aten and holder[0].weight.is_contiguous()
+    set_linear_backend(holder, "aten")
+    assert type(holder[0]) is nn.Linear and holder[0].weight.is_contiguous()
+    with pytest.raises(ValueError, match="--linear-backend 'fast'"):
+        set_linear_backend(holder, "fast")
+
+
 def test_backend_choice_follows_measurement_and_restores_aten(tiny256):
     def timer(ms):
         def t(name, fn, repeats, cap):
             fn()
             return ms[name] / 1e3
         return t
-    c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer({"aten": 10.0, "onednn": 4.0}))
+    ms = {"aten": 10.0, "transposed": 8.0, "onednn": 4.0, "mixed": 5.0}
+    c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer(ms))
     assert c.chosen == "onednn" and not is_packed(tiny256.model)  # left on aten
-    c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer({"aten": 4.0, "onednn": 10.0}))
+    assert not model_is_column_major(tiny256.model)
+    c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer(dict(ms, mixed=3.0)))
+    assert c.chosen == "mixed" and not is_packed(tiny256.model) and not model_is_column_major(tiny256.model)
+    c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer(dict(ms, aten=2.0)))
     assert c.chosen == "aten"
     with pytest.raises(ValueError, match="--linear-backend 'mkl'"):
         apply_linear_backend(tiny256, "mkl")
@@ -87,8 +134,8 @@ def test_backend_choice_follows_measurement_and_restores_aten(tiny256):
 
 def test_real_measurement_runs(tiny256):
     c = choose_linear_backend(tiny256, redo=True, progress=False)
-    assert c.chosen in ("aten", "onednn") and set(c.times_ms) == {"aten", "onednn"}
-    assert not is_packed(tiny256.model)
+    assert c.chosen in LINEAR_BACKENDS and set(c.times_ms) == set(LINEAR_BACKENDS)
+    assert not is_packed(tiny256.model) and not model_is_column_major(tiny256.model)
 
 
 def test_build_engine_reports_the_backend():
@@ -104,19 +151,28 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences why the sky is blue."]
 
 
-@pytest.mark.parametrize("mode", ["dspine", "dflash"])
-def test_greedy_equal_to_ar_with_packed_real_target(smol, mode):
-    """float32, the shipped drafter, fixed full blocks and the cost policy: token for token."""
+@pytest.mark.parametrize("mode,backend,runtime", [("dspine", "onednn", "hf"), ("dflash", "mixed", "dense"),
+                                                  ("dspine", "transposed", "dense")])
+def test_greedy_equal_to_ar_with_packed_real_target(smol, mode, backend, runtime):
+    """float32, the shipped drafter, fixed full blocks and the cost policy: token for token,
+    with each linear backend (and the dense runtime, :mod:`dspine.runtime.dense`)."""
     drafter = load_drafter(DEFAULT_CHECKPOINTS / f"smollm2-135m-{mode}", smol)
-    with packed(smol):
-        prop = DrafterProposer(drafter)
-        for text in PROMPTS:
-            ids = smol.encode_prompt(text, chat=True)
-            ref = Engine(smol, None, "ar").generate(ids, SamplingConfig(), 48).token_ids
-            for pol in (FixedPolicy(), make_policy("cost", smol, prop)):
-                got = Engine(smol, prop, mode, verify_policy=pol).generate(ids, SamplingConfig(), 48)
-                assert got.token_ids == ref, (mode, pol.name, text)
-                assert got.stats.kernels["linear_backend"] == "onednn"
+    smol.set_runtime(runtime)
+    try:
+        with packed(smol, backend):
+            assert model_is_column_major(smol.model) == (backend in ("transposed", "mixed"))
+            prop = DrafterProposer(drafter)
+            for text in PROMPTS:
+                ids = smol.encode_prompt(text, chat=True)
+                ref = Engine(smol, None, "ar").generate(ids, SamplingConfig(), 48).token_ids
+                for pol in (FixedPolicy(), make_policy("cost", smol, prop)):
+                    got = Engine(smol, prop, mode, verify_policy=pol).generate(ids, SamplingConfig(), 48)
+                    assert got.token_ids == ref, (mode, backend, pol.name, text)
+                    assert got.stats.kernels["linear_backend"] == backend
+                    assert got.stats.kernels["target_runtime"] == runtime
+    finally:
+        smol.set_runtime("hf")
+    assert not model_is_column_major(smol.model) and not is_packed(smol.model)
 
 
 def test_sampled_distribution_exact_with_packed_target(tiny, monkeypatch):

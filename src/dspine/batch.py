@@ -48,12 +48,6 @@ from .verify import Verdict, verify
 MAX_RUNNING_VALIDATED = 8  # spec section 8: at most 8 concurrent requests
 
 
-def _is_plain_dynamic_layer(layer) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
-    return type(layer) is DynamicLayer
-
-
 class _SlotLayer:
     """One target layer's view of :class:`SlotKV` (the transformers cache-layer protocol)."""
 
@@ -299,16 +293,15 @@ class BatchEngine:
         if self.free_slots <= 0:
             raise RuntimeError(f"all {self.max_running} slots are running")
         req = self.engine.start(prompt_ids, sampling, max_new_tokens, stop)
+        rows = req.cache.kv_rows()
         if self.batched is None:
-            layers = getattr(req.cache.kv, "layers", [])
-            self.batched = bool(layers) and all(_is_plain_dynamic_layer(l) for l in layers) \
-                and len(layers) == self.target.num_layers and self._attn in ("sdpa", "eager")
+            self.batched = rows is not None and len(rows) == self.target.num_layers \
+                and self._attn in ("sdpa", "eager")
         if req.finished:
             self._release(req)
             return req
         if self.batched:
-            kv = [(l.keys, l.values) for l in req.cache.kv.layers]
-            self.kv.add_row(kv, req.cache.length)
+            self.kv.add_row(rows, req.cache.length)
             req.cache = _RowCache(req.cache.length)
         self.running.append(req)
         return req

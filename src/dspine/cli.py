@@ -23,6 +23,21 @@ DEFAULT_VERIFY_POLICY = "cost"
 DEFAULT_PROPOSER = "hybrid"
 
 
+def add_target_runtime_args(p: argparse.ArgumentParser, default: str | None = "auto", every_mode: bool = False) -> None:
+    """``--linear-backend`` and ``--runtime`` (the target's linears and forward;
+    :mod:`dspine.runtime`) of ``generate``, ``serve`` and ``bench``."""
+    who = " for every mode (hf and hf-pld included)" if every_mode else ""
+    p.add_argument("--linear-backend", default=default,
+                   help=f"the target's linear layers{who}: auto (default: the fastest measured on this machine, "
+                        "cached) | aten (PyTorch's own) | transposed (column-major weights) | onednn (weights "
+                        "pre-packed once) | mixed (column-major for one token, packed for more)")
+    p.add_argument("--runtime", default=default,
+                   help="the target's forward: auto (default: dense where it supports the target) | hf "
+                        "(transformers' forward) | dense (dspine's lean llama/qwen2/qwen3 forward with a "
+                        "preallocated K/V cache; same weights, bit-identical float32 logits)"
+                        + ("; hf and hf-pld always run transformers' generate" if every_mode else ""))
+
+
 def add_proposer_args(p: argparse.ArgumentParser) -> None:
     """``--proposer``, ``--ngram-max``, ``--ngram-min`` of ``generate`` and ``serve`` (``bench``
     and ``acceptance`` take ``--proposer`` alone and use the defaults of the other two)."""
@@ -48,7 +63,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                  block_size: int | None = None, seed: int = 0, device: str = "cpu",
                  verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
                  progress: bool = False, persist: bool = False, linear_backend: str = "aten",
-                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1):
+                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto"):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
@@ -58,7 +73,9 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     (:mod:`dspine.tune.head`). ``progress``: say on stderr when a one-time measurement
     runs. ``linear_backend``: the target's linear layers, ``aten`` (PyTorch's default),
     ``onednn`` (pre-packed weights) or ``auto`` (measured, :mod:`dspine.runtime.packed`);
-    every mode of one process gets the same. ``proposer``: ``drafter`` (the drafter
+    every mode of one process gets the same. ``runtime``: the target's forward, ``auto``
+    (the dense runtime where it supports the target), ``hf`` or ``dense``
+    (:mod:`dspine.runtime.select`). ``proposer``: ``drafter`` (the drafter
     alone), ``ngram`` (copies of the request's own text, no drafter) or ``hybrid`` (a
     copy where the context repeats, the drafter elsewhere; :mod:`dspine.proposers`), with
     ``ngram_max`` / ``ngram_min`` the longest / shortest suffix match. ``persist``: the cost policy starts from (and can save) the acceptance profile of
@@ -105,14 +122,26 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     if linear_backend not in ("auto", *LINEAR_BACKENDS):
         raise EngineError(f"--linear-backend {linear_backend!r} is unknown; accepted: auto, "
                           f"{', '.join(LINEAR_BACKENDS)}")
+    from .runtime.select import RUNTIMES, apply_runtime
+
+    if runtime not in ("auto", *RUNTIMES):
+        raise EngineError(f"--runtime {runtime!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")
     target = load_target(target_name, dtype=dt, device=device)
+
+    def set_up_target():  # after the guards' checks; the runtime first, so the backend is timed under it
+        try:
+            apply_runtime(target, runtime)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        apply_linear_backend(target, linear_backend, progress=progress)
+
     if mode == "ar":
         validate_runtime(target, None, **guard)
-        apply_linear_backend(target, linear_backend, progress=progress)  # after the guards' checks
+        set_up_target()
         return target, Engine(target, None, "ar")
     if proposer == "ngram":  # copies only: no drafter is loaded
         validate_runtime(target, None, **guard)
-        apply_linear_backend(target, linear_backend, progress=progress)
+        set_up_target()
         prop = make_proposer("ngram", None, block_size=16 if block_size is None else block_size,
                              ngram_max=ngram_max, ngram_min=ngram_min)
         with torch.no_grad():
@@ -133,7 +162,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
             raise EngineError(f"--mode {mode} does not match drafter {drafter} "
                               f"(trained as {model.cfg.mode})")
     validate_runtime(target, model.cfg, block_size=block_size, **guard)
-    apply_linear_backend(target, linear_backend, progress=progress)  # after the guards' checks
+    set_up_target()
     with torch.no_grad():
         prop = make_proposer(proposer, DrafterProposer(model, head_kernel=head_kernel),
                              ngram_max=ngram_max, ngram_min=ngram_min)
@@ -157,7 +186,7 @@ def cmd_generate(args) -> int:
                                   args.seed, args.device, verify_policy=args.verify_policy or DEFAULT_VERIFY_POLICY,
                                   head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
                                   linear_backend=args.linear_backend, proposer=args.proposer,
-                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -259,9 +288,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact")
-    p.add_argument("--linear-backend", default="auto",
-                   help="the target's linear layers: auto (the default: the faster of the two measured on "
-                        "this machine, cached) | aten (PyTorch's own) | onednn (weights pre-packed once; CPU)")
+    add_target_runtime_args(p)
     p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's own choice, every core)")
     p.add_argument("--no-progress", action="store_true",

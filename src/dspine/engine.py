@@ -387,6 +387,7 @@ class Engine:
         info = {"proposer": prop.get("proposer", "drafter") if self.proposer is not None else None,
                 "target_dtype": str(self.target.dtype).replace("torch.", ""),
                 "linear_backend": getattr(self.target, "linear_backend", "aten"),
+                "target_runtime": getattr(self.target, "runtime_name", "hf"),
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
                 "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None}
         info.update(prop)

@@ -141,6 +141,26 @@ class Target:
             elif isinstance(e, (list, tuple)):
                 ids.update(int(x) for x in e)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
+        self.runtime = None  # a DenseRuntime (dspine.runtime.dense) once set_runtime("dense")
+        self.runtime_name = "hf"
+
+    def set_runtime(self, name: str) -> str:
+        """Run forwards through transformers (``hf``) or :mod:`dspine.runtime.dense`
+        (``dense``); returns the name. Caches made before keep working with their runtime.
+
+        Raises:
+            ValueError: an unknown name, or ``dense`` for a target it cannot run (naming
+                ``--runtime``).
+        """
+        if name == "hf":
+            self.runtime = None
+        elif name == "dense":
+            from .runtime.dense import DenseRuntime
+            self.runtime = DenseRuntime(self.model)
+        else:
+            raise ValueError(f"--runtime {name!r} is unknown; accepted: auto, hf, dense")
+        self.runtime_name = name
+        return name
 
     # -- frozen parts shared with the drafter -------------------------------------------
     def output_head(self) -> torch.Tensor:
@@ -165,6 +185,8 @@ class Target:
         if self.hybrid is not None:
             from .hybrid import ReplayCache
             return ReplayCache(self.model)
+        if self.runtime is not None:
+            return self.runtime.new_cache()
         return TargetCache(self.model)
 
     @torch.no_grad()
@@ -179,6 +201,9 @@ class Target:
         Returns:
             :class:`TargetOutput` with float32 logits.
         """
+        if cache is not None and not isinstance(cache, TargetCache):  # a DenseCache
+            logits, feats = cache.rt.forward(input_ids.to(self.device), cache, feature_layers, logits_to_keep)
+            return TargetOutput(logits=logits.float(), features=feats)
         out = self.model(input_ids=input_ids.to(self.device),
                          past_key_values=None if cache is None else cache.kv,
                          use_cache=cache is not None,

@@ -40,6 +40,16 @@ class TargetCache:
             self.kv.crop(length - have)  # transformers 5: negative = tokens to remove
         self.length = length
 
+    def kv_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (keys, values) [1, n_kv_heads, stored, head_dim] when every layer is a
+        plain dynamic layer (what the batched engine can copy into its slots), else None."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(self.kv, "layers", [])
+        if not layers or not all(type(l) is DynamicLayer for l in layers):
+            return None
+        return [(l.keys, l.values) for l in layers]
+
     def nbytes(self) -> int:
         """Bytes held by the cached key/value tensors."""
         total = 0

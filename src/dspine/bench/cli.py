@@ -59,7 +59,7 @@ def config_from_args(args) -> BenchConfig:
         target=args.target, dtype=args.dtype, device=args.device, threads=args.threads,
         modes=parse_modes(args.modes) if args.modes else None, drafters=drafters or None,
         block_size=args.block_size, pld_tokens=args.pld_tokens, verify_policy=args.verify_policy,
-        linear_backend=args.linear_backend, proposer=args.proposer,
+        linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
         workloads=tuple(parse_workloads(args.workloads)) if args.workloads else None,
         limit=args.limit, max_new_tokens=args.max_new_tokens, context_tokens=args.context_tokens,
         settings=_settings(args) if args.settings else None, repeats=args.repeats, warmup=args.warmup,
@@ -112,9 +112,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter-dflash", default=None, help="dflash checkpoint dir or 'random' (default: shipped)")
     p.add_argument("--verify-policy", default=None, choices=["fixed", "cost"],
                    help="verification-length policy of dflash/dspine (default cost, as generate and serve)")
-    p.add_argument("--linear-backend", default=None,
-                   help="the target's linear layers for every mode (hf and hf-pld included): auto (default; "
-                        "measured on this machine, cached) | aten | onednn")
+    from ..cli import add_target_runtime_args
+
+    add_target_runtime_args(p, default=None, every_mode=True)
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
     p.add_argument("--pld-tokens", type=positive_int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
     p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools,edit or all (default all)")

@@ -67,6 +67,7 @@ class BenchConfig:
     verify_policy: str = "cost"  # verification-length policy of the drafter modes (issue 19)
     proposer: str = "hybrid"  # what dflash / dspine propose with (issue 20): drafter | ngram | hybrid
     linear_backend: str = "auto"  # the shared target's linears (dspine.runtime.packed), every mode alike
+    runtime: str = "auto"  # the shared target's forward (dspine.runtime.select); hf/hf-pld run transformers' generate
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
     max_new_tokens: int | None = None
@@ -194,6 +195,7 @@ def environment(target, cfg: BenchConfig) -> dict:
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": git_dirty(),
         "target": target.name, "target_path": target.path,
         "isa": isa_class(), "linear_backend": getattr(target, "linear_backend", "aten"),
+        "target_runtime": getattr(target, "runtime_name", "hf"),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     return env
@@ -263,7 +265,16 @@ class Harness:
         if cfg.linear_backend not in ("auto", *LINEAR_BACKENDS):
             raise BenchError(f"--linear-backend {cfg.linear_backend!r} is unknown; accepted: auto, "
                              f"{', '.join(LINEAR_BACKENDS)}")
+        from ..runtime.select import RUNTIMES, apply_runtime
+
+        if cfg.runtime not in ("auto", *RUNTIMES):
+            raise BenchError(f"--runtime {cfg.runtime!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")
         self.target = target if target is not None else load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+        if target is None or cfg.runtime != "auto":  # one forward for every mode (a fair run)
+            try:
+                apply_runtime(self.target, cfg.runtime)
+            except ValueError as e:
+                raise BenchError(str(e)) from None
         if target is None or cfg.linear_backend != "auto":  # one backend for every mode (a fair run)
             apply_linear_backend(self.target, cfg.linear_backend, progress=progress_notes())
         self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,

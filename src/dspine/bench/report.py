@@ -278,6 +278,7 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                  ("dtype / device", f"{env.get('dtype')} / {env.get('device')} ({env.get('device_name')}"
                                     f"{', ' + env['isa'] if env.get('isa') else ''})"),
                  ("target linear backend", env.get("linear_backend", "aten")),
+                 ("target runtime", env.get("target_runtime", "hf")),
                  ("threads", f"{env.get('torch_threads')} torch ({env.get('cpu_count')} CPUs)"
                              + (f", load average {env['load_avg_1m']:.2f} at start"
                                 if env.get("load_avg_1m") is not None else "")),

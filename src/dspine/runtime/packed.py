@@ -1,4 +1,5 @@
-"""The target's ``nn.Linear`` layers through oneDNN with pre-packed weights (CPU).
+"""The target's linear backends: PyTorch's own, column-major weights, oneDNN with
+pre-packed weights, or both (``--linear-backend``, CPU).
 
 PyTorch's default CPU linear (``aten``) runs a one-token step as GEMV and a short
 verification (2-16 tokens) as a GEMM that re-reads and re-blocks the weight on every
@@ -7,15 +8,17 @@ a one-token step and a 16-token one ~2x, which is what made verifying drafted to
 expensive. oneDNN with the weight reordered once into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise``, the kernels
 inductor's CPU freezing pass emits) makes multi-token forwards much cheaper on such CPUs.
-Whether it pays depends on the CPU, so ``auto`` measures both backends on the loaded
-target (:func:`choose_linear_backend`).
+A one-token step is a GEMV, which oneDNN does not speed up; column-major weights do
+(:mod:`dspine.runtime.layout`), and ``mixed`` uses them for one-row inputs and the packed
+copy for more rows. Whether each pays depends on the CPU, so ``auto`` measures every
+available backend on the loaded target (:func:`choose_linear_backend`).
 
 Numerics: the same float32/bfloat16 products with another blocking, so logits differ
 from ``aten`` by float rounding (~1e-5 relative in float32). Token-for-token equality
 holds between modes that use the same backend (``ar`` and ``dspine`` both packed, as
 ``dspine generate`` does for every mode), as tested in ``tests/test_runtime.py``.
 
-Memory: the packed copy is a second copy of every linear weight (the original stays:
+Memory: ``transposed`` costs nothing; for ``onednn``/``mixed`` the packed copy is a second copy of every linear weight (the original stays:
 tied embeddings, the drafter's head binding and memory accounting read it): ~540 MB
 more for SmolLM2-135M in float32.
 """
@@ -26,7 +29,11 @@ import time
 import torch
 from torch import nn
 
-LINEAR_BACKENDS = ("aten", "onednn")
+LINEAR_BACKENDS = ("aten", "transposed", "onednn", "mixed")
+"""``aten``: PyTorch's own linear on row-major weights. ``transposed``: the same on
+column-major weights (:mod:`dspine.runtime.layout`, no extra memory). ``onednn``: oneDNN
+on weights packed once (a second copy). ``mixed``: column-major weights for one-row
+inputs (a one-token step) and the packed copy for more rows (verification, batches)."""
 
 
 def onednn_available() -> bool:
@@ -43,24 +50,29 @@ class PackedLinear(nn.Module):
     x [..., in_features] -> [..., out_features] in the weight's dtype.
     """
 
-    def __init__(self, lin: nn.Linear, batch_hint: int = 16):
+    def __init__(self, lin: nn.Linear, batch_hint: int = 16, one_row_aten: bool = False):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight, self.bias = lin.weight, lin.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous(), batch_hint)
         self.original = lin
+        self.one_row_aten = one_row_aten  # ``mixed``: one-row inputs through F.linear on ``weight``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row_aten and x.numel() == self.in_features:
+            return nn.functional.linear(x, self.weight, self.bias)
         b = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, b, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, backend=onednn"
+        be = "mixed (one row: aten)" if self.one_row_aten else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={be}"
 
 
-def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
+def pack_linears(model: nn.Module, batch_hint: int = 16, one_row_aten: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` (CPU, float32/bfloat16) by a
-    :class:`PackedLinear` in place; returns how many were replaced.
+    :class:`PackedLinear` in place; returns how many were replaced. ``one_row_aten``:
+    one-row inputs keep PyTorch's linear on the original weight (``mixed``).
 
     Raises:
         ValueError: the model is not on the CPU, this torch has no oneDNN linear, or this
@@ -77,7 +89,7 @@ def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
                     raise ValueError(f"--linear-backend onednn: layer {name} is {ch.weight.dtype} on "
                                      f"{ch.weight.device}; only CPU float32/bfloat16 layers can be packed")
                 try:
-                    packed = PackedLinear(ch, batch_hint)
+                    packed = PackedLinear(ch, batch_hint, one_row_aten)
                 except RuntimeError as e:  # e.g. bf16 reorder on a CPU without AVX-512/AVX-NE-CONVERT
                     unpack_linears(model)
                     raise ValueError(f"--linear-backend onednn: this CPU/torch cannot run oneDNN "
@@ -108,37 +120,64 @@ def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+def set_linear_backend(model: nn.Module, backend: str) -> None:
+    """Put ``model``'s linears on ``backend`` (one of :data:`LINEAR_BACKENDS`), undoing
+    whatever backend they were on; only what differs is redone.
+
+    Raises:
+        ValueError: unknown backend (naming ``--linear-backend``), or a oneDNN backend where
+            it cannot run (:func:`pack_linears`); the model is then left on ``aten``.
+    """
+    from .layout import set_column_major
+
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
+    want_packed = backend in ("onednn", "mixed")
+    packs = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if packs and (not want_packed or any(m.one_row_aten != (backend == "mixed") for m in packs)):
+        unpack_linears(model)
+        packs = []
+    set_column_major(model, backend in ("transposed", "mixed"))
+    if want_packed and not packs:
+        try:
+            pack_linears(model, one_row_aten=backend == "mixed")
+        except ValueError as e:
+            set_column_major(model, False)
+            raise ValueError(str(e).replace("--linear-backend onednn", f"--linear-backend {backend}")) from None
+
+
+def available_backends(target) -> tuple[str, ...]:
+    """The backends that can run ``target`` here: all four for a dense CPU float32/bfloat16
+    target on a torch with oneDNN; ``aten``/``transposed`` without oneDNN; only ``aten``
+    for CUDA and hybrid (Gated-DeltaNet) targets."""
+    if target.device.type != "cpu" or target.dtype not in (torch.float32, torch.bfloat16) \
+            or target.hybrid is not None:
+        return ("aten",)
+    return LINEAR_BACKENDS if onednn_available() else ("aten", "transposed")
+
+
 def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: bool = True, context: int = 64):
-    """Measure the target's forward with ``aten`` and ``onednn`` linears on this machine
-    and return the :class:`dspine.tune.choose.Choice` (cached per machine, target shape
-    and dtype). The time of an alternative is a one-token step plus a 16-token
-    verification after a ``context``-token prefix: the two forwards speculative decoding
-    alternates between. CUDA targets and builds without oneDNN always get ``aten``.
-    The target is left with ``aten`` linears.
+    """Measure the target's forward with each available backend (:func:`available_backends`)
+    on this machine and return the :class:`dspine.tune.choose.Choice` (cached per machine,
+    target shape and dtype). The time of an alternative is a one-token step plus a
+    16-token verification after a ``context``-token prefix: the two forwards speculative
+    decoding alternates between. The target is left with ``aten`` linears.
     """
     from ..tune.choose import Choice, choose_fastest
 
-    if target.device.type != "cpu" or not onednn_available() or target.dtype not in (torch.float32, torch.bfloat16) \
-            or target.hybrid is not None:
-        return Choice("linear", "aten", {}, "only dense CPU float32/bfloat16 targets with oneDNN are packed")
+    names = available_backends(target)
+    if len(names) == 1:
+        return Choice("linear", "aten", {}, "only dense CPU float32/bfloat16 targets change linear backend")
     cfg = target.config
-    key = (f"linear:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
-           f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')}")
+    key = (f"linear2:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
+           f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')},"
+           f"backends={'/'.join(names)}")
     V = target.vocab_size
     ids = (torch.arange(1, context + 17) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)[None]
-    state = {"packed": False}
-
-    def use(backend: str) -> None:
-        if backend == "onednn" and not state["packed"]:
-            pack_linears(target.model)
-            state["packed"] = True
-        elif backend == "aten" and state["packed"]:
-            unpack_linears(target.model)
-            state["packed"] = False
 
     def run(backend: str):
         def call():
-            use(backend)
+            set_linear_backend(target.model, backend)
             with torch.no_grad():
                 cache = target.new_cache()
                 target.forward(ids[:, :context], cache, None, logits_to_keep=1)
@@ -155,11 +194,11 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
         return ts[len(ts) // 2]
 
     try:
-        return choose_fastest(key, {b: run(b) for b in LINEAR_BACKENDS}, timer=timer or timed, redo=redo,
+        return choose_fastest(key, {b: run(b) for b in names}, timer=timer or timed, redo=redo,
                               repeats=5, progress=progress,
-                              what="the target's linear backend (aten vs oneDNN packed)")
+                              what="the target's linear backend (" + " vs ".join(names) + ")")
     finally:
-        use("aten")
+        set_linear_backend(target.model, "aten")
 
 
 def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
@@ -167,16 +206,18 @@ def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
     and record it as ``target.linear_backend``; returns the backend used.
 
     Raises:
-        ValueError: unknown backend (naming ``--linear-backend``), or ``onednn`` where it
-            cannot run (:func:`pack_linears`).
+        ValueError: unknown backend (naming ``--linear-backend``), or one that cannot run
+            this target here (:func:`available_backends`, :func:`pack_linears`).
     """
     if backend not in ("auto", *LINEAR_BACKENDS):
         raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
     if backend == "auto":
         backend = choose_linear_backend(target, progress=progress).chosen
-    if backend == "onednn" and not is_packed(target.model):
-        pack_linears(target.model)
-    elif backend == "aten":
-        unpack_linears(target.model)
+    elif backend not in available_backends(target):
+        raise ValueError(f"--linear-backend {backend}: not available for this target here (a "
+                         f"{str(target.dtype).replace('torch.', '')} {target.device.type} "
+                         f"{'hybrid ' if target.hybrid else ''}target; available: "
+                         f"{', '.join(available_backends(target))})")
+    set_linear_backend(target.model, backend)
     target.linear_backend = backend
     return backend

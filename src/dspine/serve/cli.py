@@ -45,7 +45,7 @@ def cmd_serve(args) -> int:
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy,
                                   concurrency=args.max_running, head_kernel=args.head_kernel, progress=True,
-                                  persist=True, linear_backend=args.linear_backend, proposer=args.proposer,
+                                  persist=True, linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
@@ -104,10 +104,9 @@ def add_serve_parser(sub) -> None:
                    help="cost (default: one verification length per batched cycle, priced at the number "
                         "of running requests; plain batched steps when drafting does not pay) | fixed "
                         "(verify the whole block)")
-    p.add_argument("--linear-backend", default="auto",
-                   help="the target's linear layers: auto (measured on this machine, cached) | aten | onednn")
-    from ..cli import add_proposer_args
+    from ..cli import add_proposer_args, add_target_runtime_args
 
+    add_target_runtime_args(p)
     add_proposer_args(p)
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
