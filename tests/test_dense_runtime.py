@@ -14,6 +14,7 @@ from dspine.batch import BatchEngine
 from dspine.config import SamplingConfig
 from dspine.engine import Engine, EngineError
 from dspine.runtime.dense import DenseCache, DenseRuntime, runtime_support
+from dspine.runtime.packed import apply_linear_backend, onednn_available
 from dspine.runtime.select import resolve_runtime
 from dspine.target import load_target
 
@@ -123,15 +124,17 @@ def test_greedy_equal_to_ar_on_real_target_single_and_batched(smol):
         smol.set_runtime("hf")
 
 
-def test_sampled_distribution_exact_on_dense_runtime(tiny, monkeypatch):
-    """Chi-square against the exact distribution (enumerated on transformers' forward),
-    DSpine drafter with sparse q on the dense runtime; the negative control (residual
-    without q) must fail on the same runtime."""
+@pytest.mark.parametrize("backend", ["mixed" if onednn_available() else "transposed"])  # this CPU's default
+def test_sampled_distribution_exact_on_dense_runtime(tiny, monkeypatch, backend):
+    """Chi-square against the exact distribution (enumerated with the same runtime and
+    linear backend), DSpine drafter with sparse q on the dense runtime; the negative
+    control (residual without q) must fail on the same runtime."""
     import test_distribution as TD
 
-    P = TD.exact_distribution(tiny, TD.PROMPT, TD.SETTINGS["t1.0"])
     tiny.set_runtime("dense")
+    apply_linear_backend(tiny, backend)
     try:
+        P = TD.exact_distribution(tiny, TD.PROMPT, TD.SETTINGS["t1.0"])
         eng = Engine(tiny, TD.strong_bridge_drafter(tiny, seed=3), "dspine")
         counts = TD.sample_counts(eng, TD.SETTINGS["t1.0"], TD.N, tiny.vocab_size)
         assert TD.chi2_pvalue(counts, P) > TD.ALPHA
@@ -140,3 +143,4 @@ def test_sampled_distribution_exact_on_dense_runtime(tiny, monkeypatch):
         assert TD.chi2_pvalue(bad, P) < TD.ALPHA
     finally:
         tiny.set_runtime("hf")
+        apply_linear_backend(tiny, "aten")

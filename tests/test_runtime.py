@@ -151,8 +151,9 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences why the sky is blue."]
 
 
-@pytest.mark.parametrize("mode,backend,runtime", [("dspine", "onednn", "hf"), ("dflash", "mixed", "dense"),
-                                                  ("dspine", "transposed", "dense")])
+@pytest.mark.parametrize("mode,backend,runtime", [  # the default here (mixed, dense) stays in the default suite
+    pytest.param("dspine", "onednn", "hf", marks=pytest.mark.slow), ("dflash", "mixed", "dense"),
+    pytest.param("dspine", "transposed", "dense", marks=pytest.mark.slow)])
 def test_greedy_equal_to_ar_with_packed_real_target(smol, mode, backend, runtime):
     """float32, the shipped drafter, fixed full blocks and the cost policy: token for token,
     with each linear backend (and the dense runtime, :mod:`dspine.runtime.dense`)."""
@@ -175,6 +176,7 @@ def test_greedy_equal_to_ar_with_packed_real_target(smol, mode, backend, runtime
     assert not model_is_column_major(smol.model) and not is_packed(smol.model)
 
 
+@pytest.mark.slow  # the default suite runs the same test on the dense runtime with `mixed` linears
 def test_sampled_distribution_exact_with_packed_target(tiny, monkeypatch):
     """Chi-square against the exact distribution of the packed target (enumerated with the
     packed target itself), DSpine drafter with sparse q; the negative control (residual

@@ -124,6 +124,8 @@ def exact(smol):
     return prompt, cells, np.array([P[c] for c in cells] + [0.0])
 
 
+@pytest.mark.slow  # ~3 min on an AVX2-only 2-core CPU (with its negative control below); the default
+# suite keeps the enumeration tests of tests/test_distribution.py, test_runtime.py and test_dense_runtime.py
 def test_shipped_dspine_sampling_matches_target(smol, shipped, exact, monkeypatch):
     prompt, cells, P = exact
     seen = {"accepted": 0, "rejected": 0}

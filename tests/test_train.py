@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspine.config import DSpineConfig
 from dspine.draft import DrafterError, load_drafter
@@ -492,3 +494,44 @@ def test_training_data_with_ids_outside_the_vocabulary_is_refused(tmp_path):
     f.write_text("".join(_json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=r"row 1 holds token id 999999"):
         _training_seqs([str(data)], load_target("random:llama"), 64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_prompt=st.integers(0, 60), n_resp=st.integers(0, 60), max_len=st.integers(2, 50))
+def test_fit_window_cuts_the_prompt_never_the_response(n_prompt, n_resp, max_len):
+    from dspine.train.losses import fit_window
+
+    ids = list(range(1000, 1000 + n_prompt + n_resp))
+    r = n_prompt
+    w, r2 = fit_window(ids, r, max_len)
+    if len(ids) <= max_len:
+        assert (w, r2) == (ids, r)
+        return
+    start = w[0] - 1000
+    assert len(w) == max_len and w == ids[start:start + max_len]  # one contiguous slice, full width
+    assert start + r2 == r  # the response start points at the same token
+    assert r2 == min(r, 1) or start == 0 or len(w) - r2 == n_resp  # only prompt tokens are dropped...
+    assert len(w) - r2 == min(n_resp, max_len - min(r, 1))  # ...and the response keeps all that fits
+
+
+def test_fit_window_refuses_a_window_below_two():
+    from dspine.train.losses import fit_window
+
+    with pytest.raises(ValueError, match="--max-len 1"):
+        fit_window([1, 2, 3], 1, 1)
+
+
+def test_committed_training_data_keeps_every_response_token_in_the_window(smol):
+    """On the committed data, the default window (384) now keeps every response token
+    (the old right cut kept fewer); the training card counts what the window holds."""
+    from pathlib import Path
+
+    from dspine.train.cli import _training_seqs
+    from dspine.train.losses import fit_window
+
+    d = Path(__file__).resolve().parents[1] / "training-data" / "smollm2-135m-regen"
+    seqs = _training_seqs([str(d)], smol)
+    full = sum(len(s) - r for s, r in seqs)
+    old = sum(max(0, min(len(s), 384) - r) for s, r in seqs)
+    new = sum(len(w) - r2 for w, r2 in (fit_window(s, r, 384) for s, r in seqs))
+    assert new == full > old

@@ -294,11 +294,9 @@ def _hardware(device: torch.device) -> str:
 def _training_seqs(data_dirs, target, max_len: int | None = None):
     """(token ids, response start) pairs of the data directories.
 
-    Keeps sequences with a response of >= 2 tokens. With ``max_len``, refuses data
-    whose responses all start beyond the first ``max_len - 2`` positions (anchors need
-    a next token inside the window) and notes how many do; those sequences stay in the
-    list (a feature store is keyed by the full list) and each adds one anchor at the
-    window's end.
+    Keeps sequences with a response of >= 2 tokens. With ``max_len``, each row becomes its
+    training window (:func:`dspine.train.losses.fit_window`: the prompt is cut from the
+    left, never the response), so the response tokens counted are those trained on.
 
     Raises:
         ValueError: no usable sequence (names --data and --max-len), or a token id outside
@@ -321,13 +319,13 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
     if not seqs:
         raise ValueError(f"--data {data_dirs}: no usable sequences (need responses of >= 2 tokens)")
     if max_len is not None:
-        late = sum(1 for _, r in seqs if r > max_len - 2)
-        if late == len(seqs):
-            raise ValueError(f"--max-len {max_len}: no response of --data starts inside the window "
-                             f"(shortest prompt {min(r for _, r in seqs)} tokens); raise --max-len")
-        if late:
-            print(f"note: {late} of {len(seqs)} sequences have prompts longer than --max-len {max_len} - 2 "
-                  f"tokens; each adds only one anchor at the window end", file=sys.stderr)
+        from .losses import fit_window
+
+        cut = sum(1 for s, _ in seqs if len(s) > max_len)
+        seqs = [fit_window(s, r, max_len) for s, r in seqs]
+        if cut:
+            print(f"note: {cut} of {len(seqs)} sequences are longer than --max-len {max_len}; their prompts "
+                  f"were cut from the left (responses kept)", file=sys.stderr)
     return seqs
 
 

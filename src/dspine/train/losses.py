@@ -44,6 +44,28 @@ class Batch:
         return Batch(self.ids.to(device), self.valid.to(device), self.resp_start.to(device))
 
 
+def fit_window(ids: list[int], response_start: int, max_len: int) -> tuple[list[int], int]:
+    """The ``max_len``-token training window of one (ids, response start) row: the prompt
+    is cut from the left, never the response (issue 23). A response longer than
+    ``max_len - 1`` keeps one prompt token and its first ``max_len - 1`` tokens.
+
+    Returns (window ids, response start within the window).
+    Raises:
+        ValueError: ``max_len`` < 2.
+    """
+    if max_len < 2:
+        raise ValueError(f"--max-len {max_len} must be at least 2")
+    if len(ids) <= max_len:
+        return ids, response_start
+    r = response_start
+    if r == 0:  # no prompt: the response's first max_len tokens
+        return ids[:max_len], 0
+    if len(ids) - r + 1 <= max_len:  # the whole response fits: drop prompt tokens from the left
+        cut = len(ids) - max_len
+        return ids[cut:], r - cut
+    return ids[r - 1:r - 1 + max_len], 1
+
+
 def collate(seqs: list[tuple[list[int], int]], max_len: int) -> Batch:
     """Right-pad (ids, response_start) pairs to a batch, truncating to ``max_len``."""
     T = min(max_len, max(len(s) for s, _ in seqs))

@@ -43,6 +43,9 @@ def cmd_tune(args) -> int:
     prop = eng.proposer
     from ..runtime.packed import apply_linear_backend, choose_linear_backend
 
+    report["target_runtime"] = target.runtime_name  # build_engine's --runtime auto (dspine.runtime.select)
+    say(f"\ntarget runtime (--runtime auto): {target.runtime_name}"
+        + ("" if target.runtime_name == "dense" else " (dspine's dense runtime does not support this target)"))
     lb = choose_linear_backend(target, redo=args.redo, progress=not args.json)
     apply_linear_backend(target, lb.chosen, progress=False)
     report["linear_backend"] = lb.to_dict()
