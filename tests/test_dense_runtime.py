@@ -71,6 +71,10 @@ def test_cache_contract(tiny256):
         c.rollback(3)
     with pytest.raises(ValueError, match="batch of 2"):
         rt.forward(torch.tensor([[1], [2]]), c, None)
+    rt.max_positions = 300  # the buffers never grow beyond the context window
+    c2 = rt.new_cache()
+    rt.forward(torch.arange(1, 271)[None] % 250 + 1, c2, None)
+    assert c2.k.shape[3] == 300 and c2.seq_length() == 270
 
 
 def test_refusals_name_the_setting():

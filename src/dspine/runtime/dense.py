@@ -52,7 +52,8 @@ class DenseCache:
     Same contract as :class:`dspine.target_cache.TargetCache`: ``length`` committed
     positions; a forward appends pending positions; :meth:`rollback` keeps a prefix.
     Buffers: keys and values [L, 1, n_kv_heads, capacity, head_dim] in the target dtype;
-    the capacity doubles when a forward needs more (one copy, amortised).
+    the capacity doubles when a forward needs more (one copy, amortised), up to the
+    target's ``max_position_embeddings``.
     """
 
     def __init__(self, runtime: "DenseRuntime", capacity: int = 256):
@@ -69,6 +70,7 @@ class DenseCache:
         cap = max(self._min_cap, self._cap)
         while cap < need:
             cap *= 2
+        cap = max(need, min(cap, self.rt.max_positions))  # never beyond the context window it can use
         rt = self.rt
         shape = (rt.num_layers, 1, rt.n_kv, cap, rt.head_dim)
         k = torch.empty(shape, dtype=rt.dtype, device=rt.device)
@@ -125,6 +127,7 @@ class DenseRuntime:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.scaling = att.scaling
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", None) or 1 << 30)
         self.qk_norm = hasattr(att, "q_norm")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
