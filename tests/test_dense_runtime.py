@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dspine.engine
 from dspine.batch import BatchEngine
 from dspine.config import SamplingConfig
 from dspine.engine import Engine, EngineError
@@ -138,13 +137,7 @@ def test_sampled_distribution_exact_on_dense_runtime(tiny, monkeypatch, backend)
     tiny.set_runtime("dense")
     apply_linear_backend(tiny, backend)
     try:
-        P = TD.exact_distribution(tiny, TD.PROMPT, TD.SETTINGS["t1.0"])
-        eng = Engine(tiny, TD.strong_bridge_drafter(tiny, seed=3), "dspine")
-        counts = TD.sample_counts(eng, TD.SETTINGS["t1.0"], TD.N, tiny.vocab_size)
-        assert TD.chi2_pvalue(counts, P) > TD.ALPHA
-        monkeypatch.setattr(dspine.engine, "verify", TD._verify_residual_is_p)
-        bad = TD.sample_counts(eng, TD.SETTINGS["t1.0"], TD.N_NEG, tiny.vocab_size)
-        assert TD.chi2_pvalue(bad, P) < TD.ALPHA
+        TD.check_exact_with_negative_control(tiny, monkeypatch)
     finally:
         tiny.set_runtime("hf")
         apply_linear_backend(tiny, "aten")

@@ -292,3 +292,15 @@ def test_same_seed_same_output(tiny, drafters, mode):
     b = [eng.generate(PROMPT, replace(cfg, seed=s), 12).token_ids for s in range(20)]
     assert a == b
     assert len({tuple(x) for x in a}) > 10  # and different seeds give different outputs
+
+
+def check_exact_with_negative_control(tiny, monkeypatch) -> None:
+    """The strong-bridge DSpine drafter samples ``tiny``'s exact distribution (temperature
+    1, enumerated with ``tiny`` as it is set up now: runtime, linear backend), and the
+    negative control (residual without q) fails on the same setup. Used by the runtime
+    tests (``tests/test_runtime.py``, ``tests/test_dense_runtime.py``)."""
+    P = exact_distribution(tiny, PROMPT, SETTINGS["t1.0"])
+    eng = Engine(tiny, strong_bridge_drafter(tiny, seed=3), "dspine")
+    assert chi2_pvalue(sample_counts(eng, SETTINGS["t1.0"], N, tiny.vocab_size), P) > ALPHA
+    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
+    assert chi2_pvalue(sample_counts(eng, SETTINGS["t1.0"], N_NEG, tiny.vocab_size), P) < ALPHA

@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-import dspine.engine
 from dspine.cli import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
 from dspine.draft import DrafterProposer, load_drafter
@@ -184,10 +183,4 @@ def test_sampled_distribution_exact_with_packed_target(tiny, monkeypatch):
     import test_distribution as TD
 
     with packed(tiny):
-        P = TD.exact_distribution(tiny, TD.PROMPT, TD.SETTINGS["t1.0"])
-        eng = Engine(tiny, TD.strong_bridge_drafter(tiny, seed=3), "dspine")
-        counts = TD.sample_counts(eng, TD.SETTINGS["t1.0"], TD.N, tiny.vocab_size)
-        assert TD.chi2_pvalue(counts, P) > TD.ALPHA
-        monkeypatch.setattr(dspine.engine, "verify", TD._verify_residual_is_p)
-        bad = TD.sample_counts(eng, TD.SETTINGS["t1.0"], TD.N_NEG, tiny.vocab_size)
-        assert TD.chi2_pvalue(bad, P) < TD.ALPHA
+        TD.check_exact_with_negative_control(tiny, monkeypatch)

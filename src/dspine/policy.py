@@ -200,7 +200,8 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
 
         from .tune.machine import busy_note
 
-        print("dspine: measuring the cycle cost curve on this machine (once per target, drafter, dtype; "
+        print("dspine: measuring the cycle cost curve on this machine (once per target, drafter, dtype, "
+              "runtime and linear backend; "
               "cached) ...", file=sys.stderr, flush=True)
         note = busy_note()
         if note:
