@@ -68,6 +68,8 @@ def test_cache_contract(tiny256):
     assert len(rows) == tiny256.num_layers and rows[0][0].shape[2] == 2
     with pytest.raises(ValueError, match="cannot commit 3 positions"):
         c.rollback(3)
+    with pytest.raises(ValueError, match="cannot commit -1 positions"):
+        c.rollback(-1)
     with pytest.raises(ValueError, match="batch of 2"):
         rt.forward(torch.tensor([[1], [2]]), c, None)
     rt.max_positions = 300  # the buffers never grow beyond the context window

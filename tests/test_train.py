@@ -535,3 +535,40 @@ def test_committed_training_data_keeps_every_response_token_in_the_window(smol):
     old = sum(max(0, min(len(s), 384) - r) for s, r in seqs)
     new = sum(len(w) - r2 for w, r2 in (fit_window(s, r, 384) for s, r in seqs))
     assert new == full > old
+
+
+def test_fit_window_refuses_a_response_start_outside_the_row():
+    from dspine.train.losses import fit_window
+
+    for r in (-1, 11):
+        with pytest.raises(ValueError, match=f"response start {r}"):
+            fit_window(list(range(10)), r, 4)
+
+
+def test_training_seqs_refuses_a_window_below_four(tmp_path):
+    from dspine.cli import main
+    from dspine.train.cli import _training_seqs
+
+    data = tmp_path / "text"
+    assert main(["data", "text", "--target", "random:llama", "--sources", "stdlib", "--out", str(data),
+                 "--max-tokens", "300", "--seq-len", "64"]) == 0
+    with pytest.raises(ValueError, match="--max-len 3 must be at least 4"):
+        _training_seqs([str(data)], load_target("random:llama"), 3)
+    seqs = _training_seqs([str(data)], load_target("random:llama"), 16)
+    assert all(len(s) <= 16 for s, _ in seqs)
+
+
+def test_feature_store_uses_the_training_windows(tmp_path):
+    """A store built by ``train-features --max-len L`` holds the windows ``train --max-len L``
+    trains on (prompts cut from the left), so a store of long rows stays usable."""
+    from dspine.cli import main
+
+    data, fs = tmp_path / "dt", tmp_path / "fs"
+    assert main(["data", "text", "--target", "random:llama", "--sources", "stdlib", "--out", str(data),
+                 "--max-tokens", "2000", "--seq-len", "64"]) == 0
+    assert main(["train-features", "--target", "random:llama", "--data", str(data), "--out", str(fs),
+                 "--max-len", "32", "--threads", "1", "--device", "cpu"]) == 0
+    assert main(["train", "--target", "random:llama", "--data", str(data), "--out", str(tmp_path / "tf"),
+                 "--steps", "2", "--batch-size", "2", "--anchors", "2", "--block-size", "4", "--max-len", "32",
+                 "--threads", "1", "--eval-prompts", "0", "--device", "cpu", "--vocab-subset", "0",
+                 "--feature-store", str(fs)]) == 0

@@ -31,10 +31,10 @@ class TargetCache:
         """Keep the first ``length`` positions, drop the rest, and mark them committed.
 
         Raises:
-            ValueError: ``length`` exceeds what the cache holds.
+            ValueError: ``length`` is negative or exceeds what the cache holds.
         """
         have = self.seq_length()
-        if length > have:
+        if not 0 <= length <= have:
             raise ValueError(f"cannot commit {length} positions: cache holds {have}")
         if length < have:
             self.kv.crop(length - have)  # transformers 5: negative = tokens to remove

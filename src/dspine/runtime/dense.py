@@ -88,9 +88,9 @@ class DenseCache:
         """Keep the first ``length`` positions and mark them committed.
 
         Raises:
-            ValueError: ``length`` exceeds what the cache holds.
+            ValueError: ``length`` is negative or exceeds what the cache holds.
         """
-        if length > self._stored:
+        if not 0 <= length <= self._stored:
             raise ValueError(f"cannot commit {length} positions: cache holds {self._stored}")
         self._stored = length
         self.length = length

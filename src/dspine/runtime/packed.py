@@ -171,7 +171,7 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     cfg = target.config
     key = (f"linear2:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
            f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')},"
-           f"backends={'/'.join(names)}")
+           f"backends={'/'.join(names)},runtime={getattr(target, 'runtime_name', 'hf')}")
     V = target.vocab_size
     ids = (torch.arange(1, context + 17) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)[None]
 

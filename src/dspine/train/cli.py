@@ -321,11 +321,16 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
     if max_len is not None:
         from .losses import fit_window
 
+        if max_len < 4:
+            raise ValueError(f"--max-len {max_len} must be at least 4")
         cut = sum(1 for s, _ in seqs if len(s) > max_len)
+        long_resp = sum(1 for s, r in seqs if len(s) - r > max_len - 1)
         seqs = [fit_window(s, r, max_len) for s, r in seqs]
         if cut:
             print(f"note: {cut} of {len(seqs)} sequences are longer than --max-len {max_len}; their prompts "
-                  f"were cut from the left (responses kept)", file=sys.stderr)
+                  f"were cut from the left" + (f", and {long_resp} responses longer than the window keep "
+                                               f"their first {max_len - 1} tokens" if long_resp else
+                                               " (every response kept whole)"), file=sys.stderr)
     return seqs
 
 
@@ -344,7 +349,7 @@ def cmd_train_features(args) -> int:
     bad = [l for l in layers if not 0 <= l < target.num_layers]
     if bad:
         raise ValueError(f"--feature-layers {bad} do not exist in target {target.name!r} ({target.num_layers} layers)")
-    seqs = _training_seqs(args.data, target)
+    seqs = _training_seqs(args.data, target, args.max_len)  # the same windows `dspine train` uses
     wrote = build_feature_store(target, layers, seqs, args.max_len, args.out, k, n, args.batch_size,
                                 reuse=args.reuse, compute_dtype=args.compute_dtype)
     print(json.dumps({"out": args.out, "shard": args.shard, "written": wrote, "sequences": len(seqs)}))

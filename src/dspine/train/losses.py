@@ -51,10 +51,12 @@ def fit_window(ids: list[int], response_start: int, max_len: int) -> tuple[list[
 
     Returns (window ids, response start within the window).
     Raises:
-        ValueError: ``max_len`` < 2.
+        ValueError: ``max_len`` < 2, or ``response_start`` outside 0..len(ids).
     """
     if max_len < 2:
         raise ValueError(f"--max-len {max_len} must be at least 2")
+    if not 0 <= response_start <= len(ids):
+        raise ValueError(f"response start {response_start} is outside the row's {len(ids)} tokens")
     if len(ids) <= max_len:
         return ids, response_start
     r = response_start
