@@ -99,3 +99,34 @@ def unit_float(text: str) -> float:
     if not 0.0 <= v <= 1.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
     return v
+
+
+def tree_shape(text: str) -> str:
+    """``dynamic`` or comma-separated widths >= 1 (``--tree-shape``, :mod:`dspine.trees`)."""
+    if text.strip() == "dynamic":
+        return "dynamic"
+    try:
+        widths = [int(x) for x in text.split(",")]
+    except ValueError:
+        widths = []
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'dynamic' or comma-separated widths >= 1 such as 4,2,1, got {text!r}")
+    return text.strip()
+
+
+def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
+    """``--tree-budget`` and ``--tree-shape`` (draft trees, :mod:`dspine.trees`)."""
+    p.add_argument("--tree-budget", type=nonneg_int, default=default_budget, metavar="N",
+                   help=f"verify a draft tree of up to N nodes per cycle built from the final stage's "
+                        f"candidate tables instead of a single chain (0 = a chain; default {default_budget}); "
+                        "DSpine drafters on the dense runtime, other cycles keep chains")
+    p.add_argument("--tree-shape", type=tree_shape, default="dynamic", metavar="{dynamic,W1,W2,...}",
+                   help="dynamic (default: the N most probable nodes by path probability when greedy; "
+                        "widths 4,2,1 when sampling) | widths per depth, e.g. 4,2,1,1")
+
+
+def tree_spec_from_args(args):
+    """The :class:`dspine.trees.TreeSpec` of parsed ``--tree-budget`` / ``--tree-shape``."""
+    from .trees.tree import TreeSpec, parse_tree_shape
+
+    return TreeSpec(getattr(args, "tree_budget", 0), parse_tree_shape(getattr(args, "tree_shape", "dynamic")))

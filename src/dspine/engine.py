@@ -22,6 +22,8 @@ from .config import SamplingConfig
 from .proposers.base import Plan, Proposal, Proposer
 from .sampling import filter_probs, make_generator, sample_index, sample_token, uniform
 from .target import Target, TargetCache
+from .trees.tree import TreeSpec
+from .trees.verify import verify_tree
 from .verify import Verdict, verify
 
 MODES = ("ar", "dflash", "dspine")
@@ -52,6 +54,8 @@ class CycleRecord:
     batched: bool = False
     # the proposer source of this cycle (``draft``, ``ngram``; "" for ``ar``), see Proposer.plan
     source: str = ""
+    # nodes of the draft tree verified this cycle (0: a chain of n proposals); n is then its depth
+    tree_nodes: int = 0
 
 
 @dataclass
@@ -77,6 +81,8 @@ class GenerationStats:
     verify_s: float = 0.0
     peak_memory_bytes: int = 0
     verification_lengths: list[int] = field(default_factory=list)
+    # per cycle: nodes of the verified draft tree (0 for a chain); empty when no cycle had a tree
+    tree_nodes: list[int] = field(default_factory=list)
     # what ran: target dtype and threads, the verification policy, the drafter's
     # candidate-pass kernel per row bucket (measured choices, dspine.tune)
     kernels: dict = field(default_factory=dict)
@@ -181,19 +187,25 @@ class Engine:
         proposer: None for ``ar``; else a :class:`Proposer` (drafter, oracle, ...).
         mode: one of :data:`MODES` (recorded in results).
         verify_policy: optional callable ``(request, n_max) -> n`` choosing the
-            verification length per cycle before drafting (non-anticipating, spec s.5).
+            verification length per cycle before drafting (non-anticipating, spec s.5);
+            with a tree, n is the tree's depth.
+        tree: :class:`~dspine.trees.TreeSpec`; with a budget > 0 a cycle whose proposer
+            can build a tree (:meth:`Proposer.propose_tree`) and whose target cache can
+            verify one (the dense runtime) verifies a draft tree instead of a chain;
+            other cycles (copies, hybrid Gated-DeltaNet targets, ``--runtime hf``) keep chains.
     Raises:
         EngineError: unknown mode, or a speculative mode without a proposer.
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, mode: str = "dspine",
-                 verify_policy: Callable[[Request, int], int] | None = None):
+                 verify_policy: Callable[[Request, int], int] | None = None, tree: TreeSpec | None = None):
         if mode not in ENGINE_LABELS:
             raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
         if mode != "ar" and proposer is None:
             raise EngineError(f"--mode {mode} needs a drafter")
         self.target, self.proposer, self.mode = target, (proposer if mode != "ar" else None), mode
         self.verify_policy = verify_policy
+        self.tree = tree or TreeSpec()
         # target feature layers the proposer reads; None (no capture) for ``ar`` and for
         # proposers without features (oracles in tests), which then get [n, 0] features
         fl = list(getattr(self.proposer, "feature_layers", None) or []) if self.proposer else []
@@ -278,6 +290,12 @@ class Engine:
         t0 = time.perf_counter()
         n = self._verification_length(req)
         pos = req.position
+        prop = None
+        if n > 0 and self.tree.enabled and self.target.supports_tree(req.cache):
+            prop = self.proposer.propose_tree(req.draft_state, req.anchor, pos, n, self.tree, req.sampling,
+                                              req.gen)
+        if prop is not None and prop.tree is not None:
+            return self._step_tree(req, prop, t0)
         if n > 0:
             prop = self.proposer.propose(req.draft_state, req.anchor, pos, n, req.sampling, req.gen)
         else:
@@ -309,6 +327,36 @@ class Engine:
         req.count_acceptance(n, a)
         req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s,
                                       (t2 - t1), time.perf_counter() - t0, source=source))
+        return emitted
+
+    def _step_tree(self, req: Request, prop: Proposal, t0: float) -> list[int]:
+        """The verify and commit half of :meth:`step` for a draft tree (:mod:`dspine.trees`):
+        one target forward over the anchor and the flattened tree, greedy longest path or
+        multi-candidate speculative sampling, then only the accepted path's K/V (moved to
+        consecutive slots), features and tokens are committed."""
+        tree, pos, source = prop.tree, req.position, req.source
+        t1 = time.perf_counter()
+        ids = torch.cat([torch.tensor([req.anchor]), tree.tokens])[None].to(self.target.device)
+        out = self.target.forward(ids, req.cache, self.feature_layers,
+                                  tree=(tree.positions(), tree.attention_mask()))
+        verdict = verify_tree(tree, out.logits[0], req.sampling, req.gen)
+        a = verdict.accepted
+        path_tokens = [int(tree.tokens[c]) for c in verdict.path]
+        emitted = self._emit(req, path_tokens + [verdict.token])
+        keep = 1 + min(a, len(emitted) - 1)
+        rows = ([0] + [c + 1 for c in verdict.path])[:keep]
+        req.cache.keep_rows(pos, rows)
+        t2 = time.perf_counter()
+        commit_s = 0.0
+        if self.proposer is not None:
+            feats = out.features[0, rows] if out.features is not None else torch.zeros(keep, 0)
+            self.proposer.commit(req.draft_state, feats, pos)
+            _observe(self.proposer, req.draft_state, ids[0, rows].tolist(), pos)
+            commit_s = time.perf_counter() - t2
+        depth = tree.max_depth
+        req.count_acceptance(depth, a)
+        req.cycles.append(CycleRecord(depth, a + 1, prop.draft_s + commit_s, prop.final_s, t2 - t1,
+                                      time.perf_counter() - t0, source=source, tree_nodes=tree.size))
         return emitted
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
@@ -389,9 +437,20 @@ class Engine:
                 "linear_backend": getattr(self.target, "linear_backend", "aten"),
                 "target_runtime": getattr(self.target, "runtime_name", "hf"),
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
-                "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None}
+                "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None,
+                "draft_tree": self.tree_info()}
         info.update(prop)
         return info
+
+    def tree_info(self) -> str:
+        """``chain``, or the tree settings and whether this engine can use them."""
+        if self.proposer is None or not self.tree.enabled:
+            return "chain"
+        if not getattr(self.proposer, "supports_tree", False):
+            return f"chain ({self.mode} drafter has no final-stage tables for a tree)"
+        if not self.target.supports_tree(self.target.new_cache()):
+            return f"chain (trees need the dense runtime; target runs {self.target.runtime_name})"
+        return self.tree.describe()
 
     def result(self, req: Request) -> GenerationResult:
         """Collect text, ids and :class:`GenerationStats` of a finished request."""
@@ -409,6 +468,8 @@ class Engine:
         st.verify_s = sum(c.verify_s for c in req.cycles)
         st.peak_memory_bytes = _peak_memory_bytes(self.target.device)
         st.verification_lengths = [c.n for c in req.cycles]
+        if any(c.tree_nodes for c in req.cycles):
+            st.tree_nodes = [c.tree_nodes for c in req.cycles]
         st.kernels = self.kernel_info()
         st.sources = source_stats(req.cycles)
         return GenerationResult(self.text_of(req), list(req.out_ids), self.mode,

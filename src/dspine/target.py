@@ -189,21 +189,37 @@ class Target:
             return self.runtime.new_cache()
         return TargetCache(self.model)
 
+    @staticmethod
+    def supports_tree(cache) -> bool:
+        """Whether ``cache`` can verify a draft tree in one forward (the dense runtime's
+        caches; transformers' caches and hybrid targets verify chains)."""
+        return hasattr(cache, "keep_rows")
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: TargetCache | None,
-                feature_layers: list[int] | None, logits_to_keep: int = 0) -> TargetOutput:
+                feature_layers: list[int] | None, logits_to_keep: int = 0,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
         """Run the target over ``input_ids`` [b, n] (int64) appended to ``cache``.
 
         Args:
             logits_to_keep: 0 keeps logits for all n positions, k > 0 the last k.
             feature_layers: layer ids whose outputs are concatenated as features; None
                 skips feature capture.
+            tree: (offsets [n], mask [n, n]) of a flattened draft tree (see
+                :meth:`dspine.runtime.dense.DenseRuntime.forward`); only with a cache that
+                :meth:`supports_tree`.
         Returns:
             :class:`TargetOutput` with float32 logits.
+        Raises:
+            ValueError: ``tree`` with a cache that cannot hold a tree.
         """
         if cache is not None and not isinstance(cache, TargetCache):  # a DenseCache
-            logits, feats = cache.rt.forward(input_ids.to(self.device), cache, feature_layers, logits_to_keep)
+            logits, feats = cache.rt.forward(input_ids.to(self.device), cache, feature_layers, logits_to_keep,
+                                             tree=tree)
             return TargetOutput(logits=logits.float(), features=feats)
+        if tree is not None:
+            raise ValueError("draft trees need the dense runtime (--runtime dense); this target runs "
+                             f"{self.runtime_name!r}")
         out = self.model(input_ids=input_ids.to(self.device),
                          past_key_values=None if cache is None else cache.kv,
                          use_cache=cache is not None,

@@ -47,6 +47,9 @@ class Proposal:
     draft_s: float = 0.0
     final_s: float = 0.0
     source: str = ""
+    # a draft tree (dspine.trees.DraftTree) when the proposer made one (Proposer.propose_tree);
+    # ``tokens`` / ``q_*`` are then the tree's nodes, not a chain
+    tree: object = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,14 @@ class Proposer:
     def propose(self, state, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,
                 gen: torch.Generator | None) -> Proposal:
         raise NotImplementedError
+
+    def propose_tree(self, state, anchor: int, anchor_pos: int, depth: int, spec, sampling: SamplingConfig,
+                     gen: torch.Generator | None) -> Proposal | None:
+        """A draft tree at most ``depth`` deep under ``spec`` (:class:`dspine.trees.TreeSpec`),
+        as a :class:`Proposal` with ``tree`` set, or None when this proposer (or this
+        cycle's planned source) makes chains only; the engine then calls :meth:`propose`.
+        Every node must carry the exact q it was drawn from (see :mod:`dspine.trees`)."""
+        return None
 
     def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:
         """:meth:`propose` for several requests (``reqs``: engine requests with

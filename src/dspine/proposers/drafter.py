@@ -172,11 +172,7 @@ class DrafterProposer(Proposer):
         if n == 0:
             return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)
         if self.cfg.final_stage:
-            x = d.norm_f(out.h[0, 0, 1:n + 1])  # [n, d]
-            cand = candidates(d, x, self.cfg.head_topk, self.cfg.coarse_k, self.qhead)  # [n, K]
-            B1 = self.cfg.block_size
-            T = conditional_tables(d, out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1],
-                                   a[:, 0], cand[None])[0]  # [n, K, K]
+            cand, T = self._tables(out, a, n)  # [n, K], [n, K, K]
             ch = chain(T, cand, n, sampling, gen)
             t2 = time.perf_counter()
             return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
@@ -184,6 +180,53 @@ class DrafterProposer(Proposer):
             toks = parallel_argmax(d, d.norm_f(out.h[0, 0, 1:n + 1]), self.qhead)
             return Proposal(toks.cpu(), draft_s=time.perf_counter() - t0)
         return dense_proposal(d.logits(out.h[0, 0, 1:n + 1]).float(), sampling, gen, t0)
+
+    def _tables(self, out, a: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final stage's candidates cand [n, K] int64 and conditional tables T [n, K, K]
+        float32 of one block (``out``: the drafter's forward, ``a`` [1, 1] the anchor)."""
+        d = self.drafter
+        x = d.norm_f(out.h[0, 0, 1:n + 1])  # [n, d]
+        cand = candidates(d, x, self.cfg.head_topk, self.cfg.coarse_k, self.qhead)  # [n, K]
+        T = conditional_tables(d, out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1],
+                               a[:, 0], cand[None])[0]  # [n, K, K]
+        return cand, T
+
+    @property
+    def supports_tree(self) -> bool:
+        """Trees are built from the final stage's tables: DSpine drafters only."""
+        return bool(self.cfg.final_stage)
+
+    @torch.no_grad()
+    def propose_tree(self, state: DraftContextCache, anchor: int, anchor_pos: int, depth: int, spec,
+                     sampling: SamplingConfig, gen) -> Proposal | None:
+        """A draft tree (:mod:`dspine.trees.build`) at most ``depth`` deep under ``spec``
+        (:class:`dspine.trees.TreeSpec`): best-first for greedy decoding with a dynamic
+        shape, else the static widths (``spec.sampled_shape`` when sampling with a
+        dynamic shape). Returns a :class:`Proposal` whose ``tree`` is set (``tokens`` are
+        the tree's nodes), or None when this drafter has no final stage (the engine then
+        drafts a chain)."""
+        if not self.supports_tree or depth < 1:
+            return None
+        from ..trees.build import dynamic_tree, static_tree
+
+        d = self.drafter
+        t0 = time.perf_counter()
+        dev = d.fc.weight.device
+        kv, cpos, cvalid = state.as_batch()
+        a = torch.tensor([[anchor]], device=dev)
+        rows = depth + 1 if self.cfg.block_causal else None
+        out = d.forward_blocks(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
+        t1 = time.perf_counter()
+        cand, T = self._tables(out, a, depth)
+        cand, T = cand.cpu(), T.cpu()
+        if sampling.greedy and spec.shape is None:
+            tree = dynamic_tree(T, cand, depth, spec.budget)
+        else:
+            shape = spec.shape if spec.shape is not None else spec.sampled_shape
+            tree = static_tree(T, cand, depth, shape, spec.budget, sampling, gen)
+        prop = Proposal(tree.tokens, tree.q_ids, tree.q_probs, draft_s=t1 - t0, final_s=time.perf_counter() - t1)
+        prop.tree = tree
+        return prop
 
     def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:
         """One drafter forward for all requests (:func:`propose_batch`) once every

@@ -69,6 +69,10 @@ class HybridProposer(Proposer):
         """The drafter model (cost measurement and profile keys read it)."""
         return getattr(self.drafter_proposer, "drafter", None)
 
+    @property
+    def supports_tree(self) -> bool:
+        return bool(getattr(self.drafter_proposer, "supports_tree", False))
+
     def new_state(self, prompt_ids: list[int]) -> HybridState:
         return HybridState(self.drafter_proposer.new_state(prompt_ids), self.ngram.new_state(prompt_ids))
 
@@ -124,6 +128,17 @@ class HybridProposer(Proposer):
             return p
         p = self.drafter_proposer.propose(state.draft, anchor, anchor_pos, n, sampling, gen)
         p.source = p.source or self.drafter_proposer.source
+        return p
+
+    def propose_tree(self, state: HybridState, anchor: int, anchor_pos: int, depth: int, spec,
+                     sampling: SamplingConfig, gen: torch.Generator | None) -> Proposal | None:
+        """The drafter's tree when this cycle drafts; None (a chain, :meth:`propose`) when it copies."""
+        if self._source(state, anchor, depth) != self.drafter_proposer.source:
+            return None
+        p = self.drafter_proposer.propose_tree(state.draft, anchor, anchor_pos, depth, spec, sampling, gen)
+        if p is not None:
+            state.chosen = None
+            p.source = p.source or self.drafter_proposer.source
         return p
 
     def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:

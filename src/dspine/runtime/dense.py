@@ -95,6 +95,24 @@ class DenseCache:
         self._stored = length
         self.length = length
 
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """After a tree forward from ``start``: move the K/V of inputs ``rows`` (increasing
+        offsets from ``start``, e.g. the root and an accepted path) to slots
+        start, start + 1, ..., and commit ``start + len(rows)`` positions.
+
+        Raises:
+            ValueError: rows not increasing, or beyond what the cache holds.
+        """
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or start + rows[-1] >= self._stored)):
+            raise ValueError(f"cannot keep rows {rows} after position {start}: cache holds {self._stored}")
+        if rows != list(range(len(rows))):
+            src = torch.tensor(rows, device=self.k.device) + start
+            dst = slice(start, start + len(rows))
+            self.k[:, :, :, dst] = self.k[:, :, :, src]
+            self.v[:, :, :, dst] = self.v[:, :, :, src]
+        self._stored = start + len(rows)
+        self.rollback(start + len(rows))
+
     def kv_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) [1, n_kv_heads, stored, head_dim] (views): what the
         batched engine copies into its slot cache."""
@@ -137,8 +155,15 @@ class DenseRuntime:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: DenseCache, feature_layers: list[int] | None,
-                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits_to_keep: int = 0, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``input_ids`` [1, n] (int64) after the cache's stored positions.
+
+        ``tree``: optional (offsets [n] int64, mask [n, n] bool) for a flattened draft tree
+        (:meth:`dspine.trees.DraftTree.positions` / ``attention_mask``): input i is at
+        position start + offsets[i] and sees the stored prefix and the inputs its mask
+        row allows (its ancestors and itself) instead of all earlier inputs. Its K/V are
+        stored at slots start + i; keep an accepted path with :meth:`DenseCache.keep_rows`.
 
         Returns:
             logits [1, k, V] in the target dtype (k = n, or ``logits_to_keep`` > 0) and
@@ -155,12 +180,18 @@ class DenseRuntime:
         end = start + n
         cache._ensure(end)
         x = self.inner.embed_tokens(input_ids)
-        pos = torch.arange(start, end, device=self.device)[None]
+        if tree is None:
+            pos = torch.arange(start, end, device=self.device)[None]
+        else:
+            pos = (start + tree[0].to(self.device))[None]
         cos, sin = self.inner.rotary_emb(x, pos)  # [1, n, hd] each, the target dtype
         cos, sin = cos[:, None], sin[:, None]
         half = self.head_dim // 2
         mask = None
-        if n > 1:  # new position i sees the prefix and new positions <= i
+        if tree is not None:  # new input i sees the prefix and its tree ancestors
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device),
+                              tree[1].to(self.device)], dim=1)
+        elif n > 1:  # new position i sees the prefix and new positions <= i
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
         want = set(feature_layers or ())
         feats = []

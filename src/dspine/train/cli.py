@@ -16,16 +16,18 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import PROPOSER_NAMES, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
+from ..argtypes import PROPOSER_NAMES, add_tree_args, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
-                       progress: bool = False, proposer: str = "drafter") -> dict:
+                       progress: bool = False, proposer: str = "drafter", tree=None) -> dict:
     """Held-out mean acceptance length tau per prompt set, by the engine loop (greedy).
 
     ``proposer``: ``drafter`` (the drafter alone, the default: what training improves),
     ``ngram`` or ``hybrid`` (:mod:`dspine.proposers`); with more than one source the
     result also holds ``sources_<set>`` (cycles, proposals, accepted per source).
+    ``tree``: a :class:`dspine.trees.TreeSpec` to verify draft trees (the target must run the
+    dense runtime); the result then also holds ``tree_nodes_<set>``, the mean nodes per cycle.
 
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
     "n_<set>": prompts}``. Prompts come from :func:`dspine.data.sources.heldout_prompts`
@@ -39,12 +41,12 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
 
     was_training = drafter.training
     drafter.eval()
-    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter)), drafter.cfg.mode)
+    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter)), drafter.cfg.mode, tree=tree)
     res = {}
     for s in sets:
         prompts = heldout_prompts(s, n)
         emitted = cycles = 0
-        per, by_src = [], {}
+        per, by_src, nodes = [], {}, []
         it = prompts
         if progress:
             from tqdm.auto import tqdm
@@ -57,6 +59,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
             emitted += round(st.accepted_length_mean * st.cycles)  # tokens emitted by cycles
             cycles += st.cycles
             per.append(round(st.accepted_length_mean, 3))
+            nodes.extend(st.tree_nodes)
             for src, d in st.sources.items():
                 agg = by_src.setdefault(src, {"cycles": 0, "proposed": 0, "accepted": 0, "emitted": 0})
                 for k in agg:
@@ -67,6 +70,8 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
                                    for k, d in by_src.items()}
         res[f"tau_{s}_per_prompt"] = per
         res[f"n_{s}"] = len(prompts)
+        if nodes:
+            res[f"tree_nodes_{s}"] = round(sum(nodes) / len(nodes), 2)
     res["max_new_tokens"] = max_new_tokens
     drafter.train(was_training)
     return res
@@ -371,9 +376,15 @@ def cmd_acceptance(args) -> int:
         if args.mode and args.mode != model.cfg.mode:
             raise DrafterError(f"--mode {args.mode} does not match drafter {args.drafter} "
                                f"(trained as {model.cfg.mode}); leave --mode out for a checkpoint")
+    from ..argtypes import tree_spec_from_args
+    from ..runtime.select import apply_runtime
+
+    spec = tree_spec_from_args(args)
+    apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
-                             progress=True, proposer=args.proposer)
-    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer, **res}))
+                             progress=True, proposer=args.proposer, tree=spec)
+    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer,
+                      "draft_tree": spec.describe(), **res}))
     return 0
 
 
@@ -448,4 +459,5 @@ def add_train_parser(sub) -> None:
     a.add_argument("--proposer", default="drafter", choices=list(PROPOSER_NAMES),
                    help="drafter (the default here: the drafter's own tau) | ngram (copies of the request's "
                         "own text) | hybrid (copies where the context repeats, the drafter elsewhere)")
+    add_tree_args(a)
     a.set_defaults(func=cmd_acceptance)

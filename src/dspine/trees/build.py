@@ -1,0 +1,122 @@
+"""Draft trees from the final stage's candidate tables (issue 21; spec section 4 tables).
+
+Inputs, as :func:`dspine.final_stage.conditional_tables` makes them for one block:
+``cand`` [n, K] int64, the K candidates of positions 1..n, and ``T`` [n, K, K] float32
+where ``T[i, j, v]`` scores candidate v of position i+1 given candidate j of position i
+(position 0 is the anchor: every j of ``T[0]`` is the same row). A tree node is a pair
+(depth d, candidate index j of position d); its children are candidates of position d+1
+scored by ``T[d, j]``.
+
+- :func:`static_tree`: each node at depth d-1 gets ``widths[d-1]`` children (1 past the
+  end), breadth first, until ``budget`` nodes. Greedy takes the top candidates of the
+  row; sampling draws them without replacement from ``q = filter_probs(T[d, j])`` and
+  gives each child the distribution it was drawn from (q with the earlier siblings
+  removed, renormalized) for the verifier.
+- :func:`dynamic_tree` (greedy only): best-first by path probability, the product of
+  ``softmax(T[d, j])`` along the path, until ``budget`` nodes (EAGLE-2's expansion,
+  Li et al. 2024, over dspine's conditional tables instead of a re-run drafter).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+import torch
+
+from ..config import SamplingConfig
+from ..sampling import filter_probs, sample_index, uniform
+from .tree import DraftTree
+
+
+def _check(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -> None:
+    if T.dim() != 3 or cand.dim() != 2 or T.shape[:2] != cand.shape or T.shape[1] != T.shape[2]:
+        raise ValueError(f"tables must be T [n, K, K] and cand [n, K], got {tuple(T.shape)} and {tuple(cand.shape)}")
+    if not 0 <= depth <= T.shape[0]:
+        raise ValueError(f"tree depth {depth} outside 0..{T.shape[0]}")
+    if budget < 0:
+        raise ValueError(f"--tree-budget must be >= 0, got {budget}")
+
+
+def static_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, widths: tuple[int, ...], budget: int,
+                sampling: SamplingConfig, gen: torch.Generator | None) -> DraftTree:
+    """Breadth-first tree of the given widths, at most ``depth`` deep and ``budget`` nodes.
+
+    Greedy (``sampling.greedy``): children are the row's top candidates, best first.
+    Sampled: children drawn without replacement from the filtered row (one uniform of
+    ``gen`` per child, in node order); a row with fewer nonzero entries than the width
+    gives fewer children. Widths all 1 reproduce :func:`dspine.final_stage.chain`'s
+    tokens, q and random draws exactly.
+    """
+    _check(T, cand, depth, budget)
+    toks, par, dep, j_of, qids, qps = [], [], [], [], [], []
+    queue = deque([(-1, 0, 0)])  # (node, its depth, its candidate index; the root: depth 0, j 0)
+    T = T.float()
+    while queue and len(toks) < budget:
+        node, d, j = queue.popleft()
+        if d >= depth:
+            continue
+        w = widths[d] if d < len(widths) else 1
+        row = T[d, j]  # [K]
+        if sampling.greedy:
+            picks = torch.topk(row, min(w, row.shape[0])).indices.tolist()
+            qs = [None] * len(picks)
+        else:
+            q = filter_probs(row, sampling)  # [K] float64
+            picks, qs = [], []
+            for _ in range(w):
+                mass = float(q.sum())
+                if mass <= 0.0:
+                    break
+                qk = q if not picks else q / mass  # the first draw: the row's q itself
+                pick = sample_index(qk, uniform(gen))
+                picks.append(pick)
+                qs.append(qk)
+                q = q.clone()
+                q[pick] = 0.0
+        for pick, qk in zip(picks, qs):
+            if len(toks) >= budget:
+                break
+            idx = len(toks)
+            toks.append(int(cand[d, pick]))
+            par.append(node)
+            dep.append(d + 1)
+            if qk is not None:
+                qids.append(cand[d])
+                qps.append(qk)
+            queue.append((idx, d + 1, pick))
+    return _tree(toks, par, dep, qids, qps)
+
+
+def dynamic_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -> DraftTree:
+    """Greedy best-first tree: the ``budget`` nodes of highest path probability (product of
+    ``softmax(T[d, j])`` along the path), at most ``depth`` deep. Parents precede
+    children (a child's path probability never exceeds its parent's)."""
+    _check(T, cand, depth, budget)
+    logp = torch.log_softmax(T.double(), dim=-1)  # [n, K, K]
+    heap: list = []
+    tie = 0
+
+    def push(parent: int, d: int, j: int, score: float) -> None:
+        nonlocal tie
+        if d >= depth:
+            return
+        for v, lp in enumerate(logp[d, j].tolist()):
+            heapq.heappush(heap, (-(score + lp), tie, parent, d, v))
+            tie += 1
+
+    toks, par, dep = [], [], []
+    push(-1, 0, 0, 0.0)
+    while heap and len(toks) < budget:
+        neg, _, parent, d, v = heapq.heappop(heap)
+        idx = len(toks)
+        toks.append(int(cand[d, v]))
+        par.append(parent)
+        dep.append(d + 1)
+        push(idx, d + 1, v, -neg)
+    return _tree(toks, par, dep, [], [])
+
+
+def _tree(toks, par, dep, qids, qps) -> DraftTree:
+    long = dict(dtype=torch.long)
+    return DraftTree(torch.tensor(toks, **long), torch.tensor(par, **long), torch.tensor(dep, **long),
+                     torch.stack(qids) if qids else None, torch.stack(qps) if qps else None)

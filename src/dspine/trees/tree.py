@@ -1,0 +1,136 @@
+"""The flattened draft tree and the tree settings (issue 21).
+
+A tree hangs below the root, the cycle's anchor x0 (row 0 of the target forward). Node
+i (0-based) is row i + 1: token ``tokens[i]``, ``parent[i]`` (-1 = the root, else a
+smaller node index, so parents come before children), ``depth[i]`` >= 1 (its position
+is the anchor's + depth). A node's children are the nodes naming it as parent, in
+*draw order* (increasing index): sampled verification examines siblings in that order.
+
+For sampled trees each node also carries the exact distribution it was drawn from,
+given everything drawn before it: sparse ``q_ids[i]`` [K] int64 / ``q_probs[i]`` [K]
+float64. Siblings drawn without replacement have ``q_k`` = the node's conditional q with
+the earlier siblings removed and renormalized (what :mod:`.verify` divides by).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+TREE_SHAPES = ("dynamic",)  # besides comma-separated widths such as "4,2,1"
+
+
+def parse_tree_shape(text: str) -> tuple[int, ...] | None:
+    """``dynamic`` -> None (best-first under the budget); ``"4,2,1"`` -> (4, 2, 1): each
+    node at depth d-1 gets up to ``widths[d-1]`` children (1 past the last entry).
+
+    Raises:
+        ValueError: not ``dynamic`` and not positive integers (naming ``--tree-shape``).
+    """
+    text = str(text).strip()
+    if text == "dynamic":
+        return None
+    try:
+        widths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--tree-shape {text!r} must be 'dynamic' or comma-separated widths >= 1, e.g. 4,2,1")
+    return widths
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Tree settings of an engine.
+
+    budget: most tree nodes per cycle (the anchor not counted); 0 = a single chain.
+    shape: widths per depth (see :func:`parse_tree_shape`) or None for best-first by path
+        probability (greedy decoding; sampled decoding then uses ``sampled_shape``).
+    sampled_shape: the static widths sampled decoding uses when ``shape`` is None.
+    Raises:
+        ValueError: a negative budget (naming ``--tree-budget``).
+    """
+
+    budget: int = 0
+    shape: tuple[int, ...] | None = None
+    sampled_shape: tuple[int, ...] = (4, 2, 1)
+
+    def __post_init__(self):
+        if self.budget < 0:
+            raise ValueError(f"--tree-budget must be >= 0, got {self.budget}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "chain"
+        shape = "dynamic" if self.shape is None else ",".join(map(str, self.shape))
+        return f"tree(budget={self.budget}, shape={shape})"
+
+
+@dataclass
+class DraftTree:
+    """A flattened draft tree (see the module docstring). All tensors on the CPU.
+
+    tokens [N] int64, parent [N] int64, depth [N] int64; q_ids [N, K] int64 and
+    q_probs [N, K] float64 for sampled trees, None for greedy ones.
+    """
+
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    q_ids: torch.Tensor | None = None
+    q_probs: torch.Tensor | None = None
+    _children: list | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        n = self.tokens.shape[0]
+        par = self.parent.tolist()
+        for i, p in enumerate(par):
+            if not -1 <= p < i:
+                raise ValueError(f"tree node {i} has parent {p}: parents must precede children")
+        dep = self.depth.tolist()
+        for i, p in enumerate(par):
+            if dep[i] != (1 if p < 0 else dep[p] + 1):
+                raise ValueError(f"tree node {i} has depth {dep[i]}, its parent {p} implies another")
+        kids: list[list[int]] = [[] for _ in range(n + 1)]  # index 0 = the root
+        for i, p in enumerate(par):
+            kids[p + 1].append(i)
+        self._children = kids
+
+    @property
+    def size(self) -> int:
+        """Number of nodes N (the anchor not counted)."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max()) if self.size else 0
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` (-1 = the root) in draw order."""
+        return self._children[node + 1]
+
+    def attention_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool: row r sees column c iff c is r itself or an ancestor of r
+        (row/column 0 is the root, node i is row i + 1)."""
+        n = self.size
+        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m[:, 0] = True
+        m[0, 0] = True
+        for i, p in enumerate(self.parent.tolist()):
+            m[i + 1] = m[p + 1]
+            m[i + 1, i + 1] = True
+        return m
+
+    def positions(self) -> torch.Tensor:
+        """[N+1] int64 offsets from the anchor's position: 0 for the root, depth per node."""
+        return torch.cat([torch.zeros(1, dtype=torch.long), self.depth])
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, q_ids=None, q_probs=None) -> "DraftTree":
+        """A tree that is a single chain (width 1 at every depth)."""
+        n = tokens.shape[0]
+        return cls(tokens, torch.arange(-1, n - 1), torch.arange(1, n + 1), q_ids, q_probs)
