@@ -142,6 +142,9 @@ def test_missing_and_corrupt_weights(capsys, ckpts, tmp_path):
     (["--mode", "medusa"], "medusa"),
     (["--seed", "18446744073709551616"], "--seed"),
     (["--seed", "-1"], "--seed"),
+    (["--tree-budget", "-1"], "--tree-budget"),
+    (["--tree-shape", "4,0"], "--tree-shape"),
+    (["--tree-shape", "wide"], "--tree-shape"),
 ])
 def test_bad_settings(capsys, args, needle):
     code, out, err = cli(capsys, *_gen("--drafter", "random", *args))
@@ -174,6 +177,23 @@ def test_generate_json(capsys, ckpts):
     assert len({tuple(v) for v in results.values()}) == 1, results
 
 
+def test_generate_tree_json(capsys):
+    """``--tree-budget`` verifies draft trees (the dense runtime, a DSpine drafter): the stats
+    say so and count the nodes; the ids stay the target's own."""
+    code, out, err = cli(capsys, *_gen("--mode", "dspine", "--drafter", "random", "--json", "--tree-budget", "8",
+                                       "--proposer", "drafter", "--verify-policy", "fixed"))
+    assert code == 0, err
+    st = json.loads(out)["stats"]
+    assert st["kernels"]["draft_tree"] == "tree(budget=8, shape=dynamic)"
+    assert st["tree_nodes"] and max(st["tree_nodes"]) <= 8
+    code, out_ar, _ = cli(capsys, *_gen("--mode", "ar", "--json"))
+    assert json.loads(out)["token_ids"] == json.loads(out_ar)["token_ids"]
+    code, out, err = cli(capsys, *_gen("--mode", "dspine", "--drafter", "random", "--json", "--tree-budget", "8",
+                                       "--runtime", "hf"))
+    assert code == 0, err
+    assert json.loads(out)["stats"]["kernels"]["draft_tree"].startswith("chain (trees need the dense runtime")
+
+
 def test_generate_streams_text(capsys):
     code, out, err = cli(capsys, *_gen("--mode", "dspine", "--drafter", "random"))
     assert code == 0
@@ -191,6 +211,10 @@ def test_generate_notes_ignored_settings(capsys):
     assert code == 0 and "--verify-policy cost ignored: --mode ar" in err
     code, _, err = cli(capsys, *_gen("--mode", "ar", "--temperature", "0.7", "--top-k", "5"))
     assert code == 0 and "ignored" not in err
+    code, _, err = cli(capsys, *_gen("--mode", "ar", "--tree-budget", "4"))
+    assert code == 0 and "--tree-budget 4 ignored: --mode ar" in err
+    code, _, err = cli(capsys, *_gen("--mode", "ar", "--tree-shape", "4,2"))
+    assert code == 0 and "--tree-shape 4,2 ignored: --tree-budget is 0" in err
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -213,6 +237,8 @@ def test_generate_notes_ignored_settings(capsys):
     (["data", "build", "--prompts", "stdlib", "--out", "o", "--batch-size", "0"], "--batch-size"),
     (["data", "text", "--out", "o", "--seq-len", "4"], "--seq-len"),
     (["acceptance", "--drafter", "random", "--n", "0"], "--n"),
+    (["acceptance", "--drafter", "random", "--tree-budget", "x"], "--tree-budget"),
+    (["bench", "--modes", "dspine", "--tree-shape", "0"], "--tree-shape"),
     (["acceptance", "--drafter", "random", "--target", "random:llama", "--dtype", "float16"], "float16"),
 ])
 def test_bad_settings_of_every_command(capsys, tmp_path, monkeypatch, argv, needle):

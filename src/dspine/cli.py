@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count
+from .argtypes import PROPOSER_NAMES, add_tree_args, nonneg_int, positive_int, seed_int, thread_count, tree_spec_from_args
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
@@ -63,7 +63,8 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                  block_size: int | None = None, seed: int = 0, device: str = "cpu",
                  verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
                  progress: bool = False, persist: bool = False, linear_backend: str = "aten",
-                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto"):
+                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto",
+                 tree=None):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
@@ -78,7 +79,8 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     (:mod:`dspine.runtime.select`). ``proposer``: ``drafter`` (the drafter
     alone), ``ngram`` (copies of the request's own text, no drafter) or ``hybrid`` (a
     copy where the context repeats, the drafter elsewhere; :mod:`dspine.proposers`), with
-    ``ngram_max`` / ``ngram_min`` the longest / shortest suffix match. ``persist``: the cost policy starts from (and can save) the acceptance profile of
+    ``ngram_max`` / ``ngram_min`` the longest / shortest suffix match. ``tree``: a
+    :class:`dspine.trees.TreeSpec` (draft trees of the drafter modes; None = chains). ``persist``: the cost policy starts from (and can save) the acceptance profile of
     earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
     runtime has not validated are refused
     before anything is loaded, and again against the loaded target/drafter
@@ -168,7 +170,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                              ngram_max=ngram_max, ngram_min=ngram_min)
         policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop,
                                                                    progress=progress, persist=persist)
-        return target, Engine(target, prop, mode, verify_policy=policy)
+        return target, Engine(target, prop, mode, verify_policy=policy, tree=tree)
 
 
 def cmd_generate(args) -> int:
@@ -186,7 +188,8 @@ def cmd_generate(args) -> int:
                                   args.seed, args.device, verify_policy=args.verify_policy or DEFAULT_VERIFY_POLICY,
                                   head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
                                   linear_backend=args.linear_backend, proposer=args.proposer,
-                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime)
+                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime,
+                                  tree=tree_spec_from_args(args))
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -259,6 +262,11 @@ def ignored_settings(args, sampling) -> list[str]:
     notes += proposer_notes(args)
     if args.mode == "ar" and getattr(args, "verify_policy", None) not in (None, "fixed"):
         notes.append(f"--verify-policy {args.verify_policy} ignored: --mode ar verifies no drafted tokens")
+    budget = getattr(args, "tree_budget", 0)
+    if budget and args.mode in ("ar", "dflash"):
+        notes.append(f"--tree-budget {budget} ignored: --mode {args.mode} has no final-stage tables to build a tree from")
+    if not budget and getattr(args, "tree_shape", "dynamic") != "dynamic":
+        notes.append(f"--tree-shape {args.tree_shape} ignored: --tree-budget is 0 (a chain)")
     return notes
 
 
@@ -289,6 +297,7 @@ def add_generate_parser(sub) -> None:
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact")
     add_target_runtime_args(p)
+    add_tree_args(p)
     p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's own choice, every core)")
     p.add_argument("--no-progress", action="store_true",

@@ -68,6 +68,8 @@ class BenchConfig:
     proposer: str = "hybrid"  # what dflash / dspine propose with (issue 20): drafter | ngram | hybrid
     linear_backend: str = "auto"  # the shared target's linears (dspine.runtime.packed), every mode alike
     runtime: str = "auto"  # the shared target's forward (dspine.runtime.select); hf/hf-pld run transformers' generate
+    tree_budget: int = 0  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains
+    tree_shape: str = "dynamic"  # dynamic | widths per depth such as 4,2,1
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
     max_new_tokens: int | None = None
@@ -277,8 +279,14 @@ class Harness:
                 raise BenchError(str(e)) from None
         if target is None or cfg.linear_backend != "auto":  # one backend for every mode (a fair run)
             apply_linear_backend(self.target, cfg.linear_backend, progress=progress_notes())
+        from ..trees.tree import TreeSpec, parse_tree_shape
+
+        try:
+            tree = TreeSpec(cfg.tree_budget, parse_tree_shape(cfg.tree_shape))
+        except ValueError as e:
+            raise BenchError(str(e)) from None
         self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,
-                                    cfg.verify_policy, cfg.proposer)
+                                    cfg.verify_policy, cfg.proposer, tree=tree)
                         for m in cfg.modes}
         self.check_setup()
         self.env = environment(self.target, cfg)

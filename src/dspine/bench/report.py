@@ -113,6 +113,8 @@ def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
     g["sources"] = srcs
     vl = [n for r in ok for n in (r.get("verification_lengths") or [])]
     g["verification_length_mean"] = statistics.mean(vl) if vl else None
+    tn = [n for r in ok for n in (r.get("tree_nodes") or [])]
+    g["tree_nodes_mean"] = statistics.mean(tn) if tn else None  # None: every cycle verified a chain
     # cycle split and cost model
     split = all(r.get("split_measured") for r in ok) and bool(ok)
     dec = sum(r.get("decode_s") or 0 for r in ok)

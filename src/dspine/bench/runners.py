@@ -190,7 +190,8 @@ class EngineRunner(Runner):
 
     def info(self) -> dict:
         d = {"mode": self.mode, "block_size": self.block_size, "drafter": self.drafter_path,
-             "verify_policy": getattr(self, "verify_policy", "fixed"), "proposer": self.proposer}
+             "verify_policy": getattr(self, "verify_policy", "fixed"), "proposer": self.proposer,
+             "draft_tree": self.engine.tree_info()}
         if getattr(self, "drafter_sha256", None):
             d["drafter_sha256"] = self.drafter_sha256  # first 16 hex digits of model.safetensors
         if self.card:
@@ -246,6 +247,7 @@ class EngineRunner(Runner):
             "peak_memory_bytes": mem.peak, "peak_memory_kind": mem.kind,
             "engine_peak_memory_bytes": st.peak_memory_bytes,
             "sources": st.sources,  # per proposer source: cycles, proposed, accepted, emitted, tau
+            "tree_nodes": st.tree_nodes,  # per cycle: nodes of the verified draft tree (0: a chain)
         }
 
     def concurrent(self, batch_engine, prompts: list, sampling_for, timeout_s: float) -> list[dict]:
@@ -428,11 +430,14 @@ class HFRunner(Runner):
 
 
 def make_runner(target, mode: str, drafters: dict, block_size: int | None, seed: int,
-                pld_tokens: int, verify_policy: str = "fixed", proposer: str = "drafter") -> Runner:
+                pld_tokens: int, verify_policy: str = "fixed", proposer: str = "drafter", tree=None) -> Runner:
     """The runner of ``mode`` over ``target`` (drafters: mode -> path | 'random';
-    ``proposer``: what the drafter modes propose with, :data:`dspine.proposers.PROPOSERS`)."""
+    ``proposer``: what the drafter modes propose with, :data:`dspine.proposers.PROPOSERS`;
+    ``tree``: the drafter modes' :class:`dspine.trees.TreeSpec`)."""
     if mode in ENGINE_MODES:
         r = EngineRunner(target, mode, drafters.get(mode), block_size, seed, proposer=proposer)
+        if tree is not None and mode not in ("ar", "ngram"):
+            r.engine.tree = tree
         if mode != "ar" and verify_policy != "fixed":
             from ..policy import make_policy
 

@@ -1,0 +1,153 @@
+"""Draft trees vs chains side by side (issue 21), in one process on one loaded float32 target.
+
+1. Verification cost: one dense-runtime target forward over w new tokens (w = 1 and the
+   verification widths 16, 32, 48, 64) after a 300-token context, median of repeats: what
+   a tree of w - 1 nodes costs against a chain of 15 proposals (w = 16).
+2. End to end: the shipped DSpine drafter on held-out prompts (``dspine.data.sources.
+   heldout_prompts``, never trained on), greedy, EOS ignored, as a chain and as trees of
+   several budgets, with the drafter alone (fixed verification length 15: what tau the
+   tables give) and with the defaults (hybrid proposer, cost policy). Interleaved: every
+   round runs each configuration on each prompt once in a rotating order; medians of
+   output tokens/s after prefill and of tau, ratios tree/chain within the same round and
+   prompt. Every configuration's ids are checked equal to ``ar``'s.
+
+Usage: python benchmarks/tree_verification.py [--rounds 2] [--tokens 96] [--prompts 4]
+       [--budgets 16,32] [--out benchmarks/tree_verification.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dspine.cli import DEFAULT_CHECKPOINTS
+from dspine.config import SamplingConfig
+from dspine.data.build import encode_record
+from dspine.data.sources import heldout_prompts
+from dspine.draft import DrafterProposer, load_drafter
+from dspine.engine import Engine
+from dspine.policy import make_policy
+from dspine.proposers import make_proposer
+from dspine.runtime.packed import apply_linear_backend
+from dspine.target import load_target
+from dspine.trees import DraftTree, TreeSpec
+from dspine.tune.machine import describe, machine_info
+
+
+def verify_cost(t, widths=(1, 16, 32, 48, 64), context: int = 300, repeats: int = 7) -> dict:
+    """Median ms of one target forward over w new tokens (a chain-shaped tree mask for
+    w > 1, so the tree path's mask and positions are what is timed)."""
+    ids = torch.randint(100, 20000, (1, context + max(widths)))
+    out = {}
+    for w in widths:
+        times = []
+        for _ in range(repeats):
+            c = t.new_cache()
+            t.forward(ids[:, :context], c, None, logits_to_keep=1)
+            c.rollback(context)
+            tree = DraftTree.chain(ids[0, context + 1:context + w])
+            t0 = time.perf_counter()
+            t.forward(ids[:, context:context + w], c, [1, 8, 15, 22, 28],
+                      tree=(tree.positions(), tree.attention_mask()) if w > 1 else None)
+            times.append(time.perf_counter() - t0)
+        out[w] = round(1000 * statistics.median(times), 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (code, chat)")
+    ap.add_argument("--budgets", default="16,32")
+    ap.add_argument("--linear-backend", default="auto")
+    ap.add_argument("--out", default="benchmarks/tree_verification.json")
+    a = ap.parse_args()
+    t = load_target("smollm2-135m", dtype="float32")
+    t.set_runtime("dense")
+    backend = apply_linear_backend(t, a.linear_backend, progress=False)
+    drafter = load_drafter(DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", t)
+    load0 = os.getloadavg()[0]
+    cost = verify_cost(t)
+    print("verification ms by width:", cost, flush=True)
+
+    budgets = [int(x) for x in a.budgets.split(",")]
+    configs = {"ar": Engine(t, None, "ar")}
+    for label, proposer, policy in (("drafter", "drafter", None), ("default", "hybrid", "cost")):
+        for b in [0] + budgets:
+            prop = make_proposer(proposer, DrafterProposer(drafter))
+            pol = make_policy(policy, t, prop) if policy else None
+            name = f"{label} {'chain' if b == 0 else f'tree{b}'}"
+            configs[name] = Engine(t, prop, "dspine", verify_policy=pol, tree=TreeSpec(b))
+    labels = list(configs)
+    prompts = {}
+    for s in ("code", "chat"):
+        for k, rec in enumerate(heldout_prompts(s, a.prompts)):
+            prompts[f"{s}{k}"] = encode_record(t, rec)[-768:]
+    warm = t.encode_prompt("Name three colours.", chat=True)
+    for eng in configs.values():
+        eng.generate(warm, SamplingConfig(), 32)
+    t.eos_token_ids, eos = frozenset(), t.eos_token_ids
+    runs, ids_of = [], {}
+    for r in range(a.rounds):
+        for k, (name, ids) in enumerate(prompts.items()):
+            s = (r * len(prompts) + k) % len(labels)
+            for label in labels[s:] + labels[:s]:
+                res = configs[label].generate(ids, SamplingConfig(), a.tokens)
+                st = res.stats
+                ids_of[(r, name, label)] = res.token_ids
+                runs.append({"round": r, "prompt": name, "config": label, "tokens": len(res.token_ids),
+                             "tokens_per_second": st.tokens_per_second, "tau": st.accepted_length_mean,
+                             "tree_nodes_mean": statistics.mean(st.tree_nodes) if st.tree_nodes else 0})
+            print(r, name, {x["config"]: (round(x["tokens_per_second"], 1), round(x["tau"], 2))
+                            for x in runs[-len(labels):]}, flush=True)
+    t.eos_token_ids = eos
+    equal = {lb: sum(ids_of[(r, p, lb)] == ids_of[(r, p, "ar")] for r in range(a.rounds) for p in prompts)
+             for lb in labels}
+    assert all(v == a.rounds * len(prompts) for v in equal.values()), f"ids differ from ar: {equal}"
+
+    def med(label, key, sets=("code", "chat")):
+        xs = [x[key] for x in runs if x["config"] == label and x["prompt"].rstrip("0123456789") in sets]
+        return round(statistics.median(xs), 3)
+
+    def ratio(l1, l2):
+        rs = []
+        for r in range(a.rounds):
+            for p in prompts:
+                x = next(x for x in runs if (x["round"], x["prompt"], x["config"]) == (r, p, l1))
+                y = next(y for y in runs if (y["round"], y["prompt"], y["config"]) == (r, p, l2))
+                rs.append(x["tokens_per_second"] / y["tokens_per_second"])
+        return round(statistics.median(rs), 3), round(min(rs), 3), round(max(rs), 3)
+
+    def pooled_tau(label, s):
+        xs = [x for x in runs if x["config"] == label and x["prompt"].startswith(s)]
+        return round(sum(x["tokens"] - 1 for x in xs) / sum((x["tokens"] - 1) / x["tau"] for x in xs), 3)
+
+    pairs = [(f"{lb} tree{b}", f"{lb} chain") for lb in ("drafter", "default") for b in budgets]
+    pairs += [(lb, "ar") for lb in labels if lb != "ar"]
+    summary = {
+        "machine": machine_info(), "machine_line": describe(), "threads": torch.get_num_threads(),
+        "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0], "linear_backend": backend,
+        "runtime": "dense", "dtype": "float32", "rounds": a.rounds, "tokens": a.tokens,
+        "prompts_per_set": a.prompts, "verification_ms_by_width": cost,
+        "median_tokens_per_second": {lb: med(lb, "tokens_per_second") for lb in labels},
+        "tau_pooled_code": {lb: pooled_tau(lb, "code") for lb in labels if lb != "ar"},
+        "tau_pooled_chat": {lb: pooled_tau(lb, "chat") for lb in labels if lb != "ar"},
+        "ratios_median_min_max": {f"{x} / {y}": ratio(x, y) for x, y in pairs},
+        "greedy_runs_equal_to_ar": equal, "runs": runs,
+    }
+    Path(a.out).write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: summary[k] for k in ("machine_line", "verification_ms_by_width", "median_tokens_per_second",
+                                              "tau_pooled_code", "tau_pooled_chat", "ratios_median_min_max")},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(2)
+    main()
