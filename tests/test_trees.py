@@ -25,10 +25,11 @@ from dspine.config import SamplingConfig
 from dspine.draft import DrafterProposer, load_drafter
 from dspine.engine import Engine
 from dspine.final_stage import chain
+from dspine.proposers.hybrid import HybridProposer
 from dspine.sampling import filter_probs, make_generator, sample_index, uniform
 from dspine.target import load_target
 from dspine.trees import DraftTree, TreeSpec, parse_tree_shape
-from dspine.trees.build import dynamic_tree, static_tree
+from dspine.trees.build import dynamic_tree, graft, static_tree
 from dspine.trees.verify import TreeVerdict, verify_tree, verify_tree_greedy, verify_tree_sampling
 from dspine.verify import verify_sampling
 from test_distribution import (ALPHA, GEN_LEN, PROMPT, SETTINGS, chi2_pvalue, exact_distribution,
@@ -199,16 +200,20 @@ def _one_node_case():
     return p_logits, q_row, cand
 
 
-def _first_token_counts(verifier, n=N1) -> tuple[np.ndarray, np.ndarray, int]:
+def _first_token_counts(verifier, n=N1, copy: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Counts of the first emitted token over ``n`` seeds; ``copy``: a copied token grafted
+    in front of the three drawn siblings (a point mass, examined first)."""
     p_logits, q_row, cand = _one_node_case()
     cfg = SamplingConfig(temperature=1.0)
     T = q_row.expand(1, 5, 5).clone()
-    logits = torch.stack([p_logits] + [torch.zeros(V1)] * 3)  # rows of the 3 children: unused here
+    logits = torch.stack([p_logits] + [torch.zeros(V1)] * 4)  # rows of the children: unused here
     counts = np.zeros(V1, dtype=np.int64)
     second = 0
     for s in range(n):
         g = make_generator(s)
         tree = static_tree(T, cand, 1, (3,), 10, cfg, g)
+        if copy is not None:
+            tree = graft(tree, [copy], merge=False)[0]
         v = verifier(tree, logits[: tree.size + 1], cfg, g)
         first = int(tree.tokens[v.path[0]]) if v.path else v.token
         second += int(bool(v.path) and v.path[0] > 0)
@@ -240,6 +245,12 @@ def test_tree_verifier_samples_the_target_distribution():
     assert chi2_pvalue(counts, P) > ALPHA
     assert second > N1 // 20  # later siblings were accepted: the residual path is exercised
     assert counts[5] > 0  # and a correction outside every draft
+
+
+def test_tree_verifier_with_a_copied_branch_samples_the_target_distribution():
+    counts, P, later = _first_token_counts(verify_tree_sampling, copy=0)  # token 0: p ~ 0.4
+    assert chi2_pvalue(counts, P) > ALPHA
+    assert later > N1 // 20  # drafter siblings after the rejected copy were accepted too
 
 
 @pytest.mark.parametrize("broken", [_broken_independent, _broken_first_q])
@@ -411,3 +422,63 @@ def test_tree_sampling_negative_control_fails(tiny_dense, tree_engine, monkeypat
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
     counts = sample_counts(tree_engine, SETTINGS["t1.0"], N_ENGINE, tiny_dense.vocab_size)
     assert chi2_pvalue(counts, P) < ALPHA
+
+
+# -- the copied continuation as one more branch (hybrid proposer) ----------------------------------------
+
+def test_graft_merges_when_greedy_and_adds_point_masses_when_sampled():
+    t = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]))
+    g, added = graft(t, [5, 7, 9], merge=True)  # 5 -> 7 exist: only 9 is new, below node 2
+    assert added == 1 and g.size == 4 and int(g.parent[3]) == 2 and int(g.depth[3]) == 3
+    same, added = graft(t, [5, 7], merge=True)
+    assert added == 0 and same is t
+    T, cand = _tables(n=3, K=4, seed=5)
+    s = static_tree(T, cand, 2, (2,), 10, SamplingConfig(temperature=1.0), make_generator(0))
+    g, added = graft(s, [int(s.tokens[0]), 3], merge=False)  # a separate branch first, even where tokens match
+    assert added == 2 and g.size == s.size + 2 and g.children(-1)[0] == 0 and g.children(0) == [1]
+    assert g.q_probs[:2, 0].tolist() == [1.0, 1.0] and float(g.q_probs[:2, 1:].abs().sum()) == 0.0
+    assert g.q_ids[:2, 0].tolist() == [int(s.tokens[0]), 3]
+    assert g.tokens[2:].tolist() == s.tokens.tolist() and torch.equal(g.q_probs[2:], s.q_probs)
+    assert [len(g.children(c + 2)) for c in range(s.size)] == [len(s.children(c)) for c in range(s.size)]
+
+
+REPEAT_PROMPT = [1, 2, 5, 7, 1, 2]  # (2, 5) repeats when y1 = 5 (the likeliest): a copy is grafted
+
+
+def test_hybrid_tree_greedy_equals_ar(dense256):
+    from dspine.proposers import make_proposer
+    prompt = [5, 6, 7, 8, 9, 10] * 4
+    ref = Engine(dense256, None, "ar").generate(prompt, SamplingConfig(), 40).token_ids
+    prop = make_proposer("hybrid", random_proposer(dense256, "dspine", 8, seed=1))
+    res = Engine(dense256, prop, "dspine", tree=TreeSpec(8)).generate(prompt, SamplingConfig(), 40)
+    assert res.token_ids == ref and res.stats.tree_nodes
+
+
+class DraftFirstHybrid(HybridProposer):
+    """The hybrid with a plan that always drafts (as the cost policy may pick), so every
+    strong copy is grafted onto the drafter's tree."""
+
+    def plan(self, state, anchor, n_max, pick=None):
+        return super().plan(state, anchor, n_max, pick=lambda alts: alts[-1])
+
+
+def test_hybrid_tree_sampling_matches_target(tiny_dense, monkeypatch):
+    cfg = SETTINGS["t1.0"]
+    prop = DraftFirstHybrid(strong_bridge_drafter(tiny_dense, seed=3))
+    eng = Engine(tiny_dense, prop, "dspine", tree=TREE_SHAPE)
+    seen = {"grafted": 0, "trees": 0}
+    real = dspine.engine.verify_tree
+
+    def recording(tree, logits, sampling, gen):
+        seen["trees"] += 1
+        seen["grafted"] += int(tree.size > 9)  # TREE_SHAPE gives at most 3 + 6 drafter nodes
+        return real(tree, logits, sampling, gen)
+
+    monkeypatch.setattr(dspine.engine, "verify_tree", recording)
+    P = exact_distribution(tiny_dense, REPEAT_PROMPT, cfg)
+    counts = np.zeros((tiny_dense.vocab_size,) * 3, dtype=np.int64)
+    for s in range(N_ENGINE):
+        ids = eng.generate(REPEAT_PROMPT, replace(cfg, seed=s), GEN_LEN).token_ids
+        counts[tuple(ids[:3])] += 1
+    assert chi2_pvalue(counts, P) > ALPHA
+    assert seen["grafted"] > N_ENGINE // 5, seen  # (its acceptance is tested with the verifier above)

@@ -132,13 +132,25 @@ class HybridProposer(Proposer):
 
     def propose_tree(self, state: HybridState, anchor: int, anchor_pos: int, depth: int, spec,
                      sampling: SamplingConfig, gen: torch.Generator | None) -> Proposal | None:
-        """The drafter's tree when this cycle drafts; None (a chain, :meth:`propose`) when it copies."""
+        """The drafter's tree when this cycle drafts, with the copied continuation (a suffix
+        match of ``strong_match``+ tokens) grafted on as one more branch
+        (:func:`dspine.trees.build.graft`: merged into matching nodes when greedy, a separate
+        point-mass branch when sampling); None (a chain, :meth:`propose`) when it copies.
+        The copy reads only the committed context and the anchor, so its q is exact."""
         if self._source(state, anchor, depth) != self.drafter_proposer.source:
             return None
         p = self.drafter_proposer.propose_tree(state.draft, anchor, anchor_pos, depth, spec, sampling, gen)
-        if p is not None:
-            state.chosen = None
-            p.source = p.source or self.drafter_proposer.source
+        if p is None:
+            return None
+        state.chosen = None
+        p.source = p.source or self.drafter_proposer.source
+        k, cont = state.index.lookup(anchor, depth, self.ngram.min_match)
+        if cont and k >= self.strong_match:  # the copied continuation joins the tree as one more branch
+            from ..trees.build import graft
+
+            tree, added = graft(p.tree, cont, merge=sampling.greedy)
+            if added:
+                p.tree, p.tokens, p.q_ids, p.q_probs = tree, tree.tokens, tree.q_ids, tree.q_probs
         return p
 
     def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:

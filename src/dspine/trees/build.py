@@ -120,3 +120,51 @@ def _tree(toks, par, dep, qids, qps) -> DraftTree:
     long = dict(dtype=torch.long)
     return DraftTree(torch.tensor(toks, **long), torch.tensor(par, **long), torch.tensor(dep, **long),
                      torch.stack(qids) if qids else None, torch.stack(qps) if qps else None)
+
+
+def graft(tree: DraftTree, tokens: list[int], merge: bool) -> tuple[DraftTree, int]:
+    """Add the deterministic branch ``tokens`` (a copied continuation, issue 20) below the root.
+
+    ``merge`` (greedy decoding): follow existing nodes while their tokens match and append
+    only the rest. Without (sampled decoding), the whole branch becomes new nodes placed
+    *first* (node indices 0..m-1, so verification examines the copy before the drafter's
+    siblings), each with a point-mass q (its token with probability 1, ``q_ids`` repeating
+    the token): a copy is a function of the committed context alone, so that is exactly
+    the distribution it was drawn from, and the drafter's nodes keep theirs. Returns the
+    new tree and the number of nodes added.
+    """
+    long = dict(dtype=torch.long)
+    if not tokens:
+        return tree, 0
+    if merge:
+        toks, par, dep = tree.tokens.tolist(), tree.parent.tolist(), tree.depth.tolist()
+        node, added = -1, 0
+        for t in tokens:
+            if added == 0:  # still on existing nodes
+                nxt = next((c for c in tree.children(node) if toks[c] == t), None)
+                if nxt is not None:
+                    node = nxt
+                    continue
+            toks.append(int(t))
+            par.append(node)
+            dep.append(1 if node < 0 else dep[node] + 1)
+            node = len(toks) - 1
+            added += 1
+        if not added:
+            return tree, 0
+        return DraftTree(torch.tensor(toks, **long), torch.tensor(par, **long), torch.tensor(dep, **long),
+                         tree.q_ids, tree.q_probs), added
+    m = len(tokens)
+    K = tree.q_ids.shape[1] if tree.q_ids is not None else 1
+    new = torch.tensor([int(t) for t in tokens], **long)
+    pm_ids = new[:, None].expand(m, K).clone()
+    pm_p = torch.zeros(m, K, dtype=torch.float64)
+    pm_p[:, 0] = 1.0
+    old_par = tree.parent.clone()
+    old_par[old_par >= 0] += m
+    toks = torch.cat([new, tree.tokens])
+    par = torch.cat([torch.arange(-1, m - 1), old_par])
+    dep = torch.cat([torch.arange(1, m + 1), tree.depth])
+    qids = pm_ids if tree.q_ids is None else torch.cat([pm_ids, tree.q_ids])
+    qps = pm_p if tree.q_probs is None else torch.cat([pm_p, tree.q_probs])
+    return DraftTree(toks, par, dep, qids, qps), m

@@ -88,8 +88,8 @@ def verify_tree_sampling(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
             if qy > 0.0 and u < float(r[y]) / qy:
                 accepted = c
                 break
-            res = r.clone()
-            res[tree.q_ids[c]] -= tree.q_probs[c].to(torch.float64)
+            res = r.clone()  # index_add_: a point-mass q repeats its token id (see build.graft)
+            res.index_add_(0, tree.q_ids[c], -tree.q_probs[c].to(torch.float64))
             res = res.clamp_min(0.0)
             total = float(res.sum())
             if total <= 0.0:  # r == q_k up to rounding: r stays
