@@ -10,6 +10,8 @@
    round runs each configuration on each prompt once in a rotating order; medians of
    output tokens/s after prefill and of tau, ratios tree/chain within the same round and
    prompt. Every configuration's ids are checked equal to ``ar``'s.
+3. Sampled (temperature 0.7, top-p 0.95): the drafter alone as a chain and as trees
+   (static widths 4,2,1 under the budget), tau and tokens/s.
 
 Usage: python benchmarks/tree_verification.py [--rounds 2] [--tokens 96] [--prompts 4]
        [--budgets 16,32] [--out benchmarks/tree_verification.json]
@@ -21,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -106,6 +109,20 @@ def main() -> None:
                              "tree_nodes_mean": statistics.mean(st.tree_nodes) if st.tree_nodes else 0})
             print(r, name, {x["config"]: (round(x["tokens_per_second"], 1), round(x["tau"], 2))
                             for x in runs[-len(labels):]}, flush=True)
+    # sampled (temperature 0.7, top-p 0.95, the bench's sampled setting): the drafter alone,
+    # chain vs trees (static widths 4,2,1 under the budget), one seed per round and prompt
+    sampled_cfg = SamplingConfig(temperature=0.7, top_p=0.95)
+    s_labels = [lb for lb in labels if lb.startswith("drafter")]
+    sampled = []
+    for r in range(a.rounds):
+        for k, (name, ids) in enumerate(prompts.items()):
+            s = (r * len(prompts) + k) % len(s_labels)
+            for label in s_labels[s:] + s_labels[:s]:
+                res = configs[label].generate(ids, replace(sampled_cfg, seed=1000 * r + k), a.tokens)
+                sampled.append({"round": r, "prompt": name, "config": label, "tokens": len(res.token_ids),
+                                "tokens_per_second": res.stats.tokens_per_second,
+                                "tau": res.stats.accepted_length_mean})
+        print("sampled", r, flush=True)
     t.eos_token_ids = eos
     equal = {lb: sum(ids_of[(r, p, lb)] == ids_of[(r, p, "ar")] for r in range(a.rounds) for p in prompts)
              for lb in labels}
@@ -124,8 +141,8 @@ def main() -> None:
                 rs.append(x["tokens_per_second"] / y["tokens_per_second"])
         return round(statistics.median(rs), 3), round(min(rs), 3), round(max(rs), 3)
 
-    def pooled_tau(label, s):
-        xs = [x for x in runs if x["config"] == label and x["prompt"].startswith(s)]
+    def pooled_tau(label, s, rows=None):
+        xs = [x for x in (rows or runs) if x["config"] == label and x["prompt"].startswith(s)]
         return round(sum(x["tokens"] - 1 for x in xs) / sum((x["tokens"] - 1) / x["tau"] for x in xs), 3)
 
     pairs = [(f"{lb} tree{b}", f"{lb} chain") for lb in ("drafter", "default") for b in budgets]
@@ -139,11 +156,18 @@ def main() -> None:
         "tau_pooled_code": {lb: pooled_tau(lb, "code") for lb in labels if lb != "ar"},
         "tau_pooled_chat": {lb: pooled_tau(lb, "chat") for lb in labels if lb != "ar"},
         "ratios_median_min_max": {f"{x} / {y}": ratio(x, y) for x, y in pairs},
-        "greedy_runs_equal_to_ar": equal, "runs": runs,
+        "greedy_runs_equal_to_ar": equal,
+        "sampled_setting": {"temperature": 0.7, "top_p": 0.95},
+        "sampled_tau_pooled": {lb: {st: pooled_tau(lb, st, sampled) for st in ("code", "chat")} for lb in s_labels},
+        "sampled_median_tokens_per_second": {
+            lb: round(statistics.median(x["tokens_per_second"] for x in sampled if x["config"] == lb), 2)
+            for lb in s_labels},
+        "runs": runs, "sampled_runs": sampled,
     }
     Path(a.out).write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("machine_line", "verification_ms_by_width", "median_tokens_per_second",
-                                              "tau_pooled_code", "tau_pooled_chat", "ratios_median_min_max")},
+                                              "tau_pooled_code", "tau_pooled_chat", "ratios_median_min_max",
+                                              "sampled_tau_pooled", "sampled_median_tokens_per_second")},
                      indent=1))
 
 

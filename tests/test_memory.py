@@ -287,3 +287,18 @@ def test_memory_window_benchmark_runs(tmp_path):
     assert all(r["ring_bytes"] <= cfg_window * res["drafter"]["bytes_per_position"] for r in res["rows"])
     mod.plot(res, tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_tree_budget_adds_one_verification_of_buffers():
+    from dspine.memory import drafter_config, estimate, target_spec
+    spec = target_spec("random:llama")
+    cfg = drafter_config("small", spec)
+    base = estimate(cfg, spec, context=256, dtype="float32")
+    rep = estimate(cfg, spec, context=256, dtype="float32", tree_budget=31)
+    row = next(r for r in rep.rows if r.key == "tree_verify")
+    F = len(cfg.feature_layers)
+    assert row.bytes == 32 * (spec.kv_per_position * 4 + spec.vocab_size * 4 + F * spec.hidden_size * 4)
+    assert rep.total("dspine") == base.total("dspine") + row.bytes
+    assert not any(r.key == "tree_verify" for r in base.rows)
+    with pytest.raises(ValueError, match="--tree-budget"):
+        estimate(cfg, spec, tree_budget=-1)

@@ -10,6 +10,10 @@ import argparse
 #: ``--proposer`` values (here, free of torch, so that parsers list them without importing
 #: the proposers): the drafter alone, copies alone, or the per-cycle hybrid (dspine.proposers)
 PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
+#: draft-tree nodes per cycle of ``generate`` and ``bench`` by default (dspine.trees): the budget
+#: that was fastest with the default proposer and cost policy in benchmarks/tree_verification.json
+#: (AVX2 AMD EPYC; docs/decisions.md "Draft trees"); ``acceptance`` defaults to chains (0)
+DEFAULT_TREE_BUDGET = 8
 
 
 def _int(text: str) -> int:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import PROPOSER_NAMES, add_tree_args, nonneg_int, positive_int, seed_int, thread_count, tree_spec_from_args
+from .argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_int, positive_int, seed_int, thread_count, tree_spec_from_args
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
@@ -297,7 +297,7 @@ def add_generate_parser(sub) -> None:
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact")
     add_target_runtime_args(p)
-    add_tree_args(p)
+    add_tree_args(p, DEFAULT_TREE_BUDGET)
     p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's own choice, every core)")
     p.add_argument("--no-progress", action="store_true",

@@ -286,7 +286,7 @@ class MemoryReport:
 
 def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
              dtype: str = "bfloat16", target_dtype: str | None = None,
-             profile: str = "", head_kernels: tuple[str, ...] = ("int8",)) -> MemoryReport:
+             profile: str = "", head_kernels: tuple[str, ...] = ("int8",), tree_budget: int = 0) -> MemoryReport:
     """Footprint of drafter ``cfg`` (+ ``target``) in ``dtype``.
 
     ``head_kernels``: the candidate-pass kernels a run keeps (:mod:`dspine.tune.head`;
@@ -300,8 +300,10 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
             target's context window when a target is given).
         concurrency: requests held at once (per-request rows are multiplied in totals).
         dtype: drafter weights/activations/K-V dtype; ``target_dtype`` defaults to it.
+        tree_budget: draft-tree nodes per cycle (:mod:`dspine.trees`); > 0 adds the
+            per-request buffers of one tree verification (with a target).
     Raises:
-        ValueError: unknown dtype, context or concurrency < 1.
+        ValueError: unknown dtype, context or concurrency < 1, tree_budget < 0.
     """
     s = dtype_bytes(dtype)
     ts = dtype_bytes(target_dtype or dtype)
@@ -312,6 +314,8 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
         raise ValueError(f"--context must be >= 1, got {context}")
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if tree_budget < 0:
+        raise ValueError(f"--tree-budget must be >= 0, got {tree_budget}")
     V, d, dc, dm = cfg.vocab_size, cfg.target_hidden, cfg.code_dim, cfg.msg_dim
     pc = drafter_param_counts(cfg)
     no_cb = sum(v for k, v in pc.items() if k != "codebook")
@@ -359,6 +363,13 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
                 (spec.kv_per_position + sum(e for _, e in spec.sliding)) * ts, in_total=False),
             Row("target_kv", f"target KV, {context} positions", kv_el * ts, scope="request"),
         ]
+        if tree_budget > 0:  # one tree verification: the nodes' K/V slots, float32 logits, features
+            n = tree_budget + 1
+            F = len(cfg.feature_layers) or 5
+            per_node = spec.kv_per_position * ts + spec.vocab_size * 4 + F * spec.hidden_size * ts
+            rows.append(Row("tree_verify", f"draft tree verification, {tree_budget} nodes + anchor", n * per_node,
+                            f"per node: target K/V, float32 logits [{spec.vocab_size}], {F} feature layers; "
+                            f"held during one cycle", scope="request"))
         if spec.state_fp32 or spec.conv_state:
             rows.append(Row("target_state", "target recurrent state (float32) + conv state",
                             spec.state_fp32 * 4 + spec.conv_state * ts, scope="request"))
@@ -409,7 +420,7 @@ def cmd_memory(args) -> int:
     cfg = drafter_config(args.config, spec)
     profile = args.config if args.config in ("release", "small") else Path(args.config).name
     rep = estimate(cfg, spec, context=args.context, concurrency=args.concurrency, dtype=args.dtype,
-                   profile=profile)
+                   profile=profile, tree_budget=args.tree_budget)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -429,6 +440,8 @@ def add_memory_parser(sub) -> None:
                    help="retained positions per request (default 131072, capped at the target's window)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+    p.add_argument("--tree-budget", type=int, default=0,
+                   help="draft-tree nodes per cycle (generate --tree-budget): adds one tree verification's buffers")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_memory)
 

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count, tree_shape
+from ..argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count, tree_shape
 from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
 from .workloads import parse_workloads
 
@@ -117,8 +117,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     add_target_runtime_args(p, default=None, every_mode=True)
     p.add_argument("--tree-budget", type=nonneg_int, default=None, metavar="N",
-                   help="dflash/dspine verify a draft tree of up to N nodes per cycle (0 = a chain, the default; "
-                        "DSpine drafters on the dense runtime)")
+                   help=f"dspine verifies a draft tree of up to N nodes per cycle (default {DEFAULT_TREE_BUDGET}, as "
+                        "generate; 0 = a chain; DSpine drafters on the dense runtime)")
     p.add_argument("--tree-shape", type=tree_shape, default=None, metavar="{dynamic,W1,W2,...}",
                    help="dynamic (default) | widths per depth, e.g. 4,2,1")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")

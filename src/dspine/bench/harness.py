@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import DEFAULT_TREE_BUDGET
 from ..config import SamplingConfig
 from .fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
 from .runners import ALL_MODES, ENGINE_MODES, HF_MODES, make_runner
@@ -68,7 +69,7 @@ class BenchConfig:
     proposer: str = "hybrid"  # what dflash / dspine propose with (issue 20): drafter | ngram | hybrid
     linear_backend: str = "auto"  # the shared target's linears (dspine.runtime.packed), every mode alike
     runtime: str = "auto"  # the shared target's forward (dspine.runtime.select); hf/hf-pld run transformers' generate
-    tree_budget: int = 0  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains
+    tree_budget: int = DEFAULT_TREE_BUDGET  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains
     tree_shape: str = "dynamic"  # dynamic | widths per depth such as 4,2,1
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
