@@ -213,7 +213,7 @@ def test_generate_notes_ignored_settings(capsys):
     assert code == 0 and "ignored" not in err
     code, _, err = cli(capsys, *_gen("--mode", "ar", "--tree-budget", "4"))
     assert code == 0 and "--tree-budget 4 ignored: --mode ar" in err
-    code, _, err = cli(capsys, *_gen("--mode", "ar", "--tree-shape", "4,2"))
+    code, _, err = cli(capsys, *_gen("--mode", "dspine", "--drafter", "random", "--tree-budget", "0", "--tree-shape", "4,2"))
     assert code == 0 and "--tree-shape 4,2 ignored: --tree-budget is 0" in err
 
 

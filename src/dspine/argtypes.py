@@ -120,7 +120,8 @@ def tree_shape(text: str) -> str:
 
 def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
     """``--tree-budget`` and ``--tree-shape`` (draft trees, :mod:`dspine.trees`)."""
-    p.add_argument("--tree-budget", type=nonneg_int, default=default_budget, metavar="N",
+    p.set_defaults(tree_budget_default=default_budget)
+    p.add_argument("--tree-budget", type=nonneg_int, default=None, metavar="N",
                    help=f"verify a draft tree of up to N nodes per cycle built from the final stage's "
                         f"candidate tables instead of a single chain (0 = a chain; default {default_budget}); "
                         "DSpine drafters on the dense runtime, other cycles keep chains")
@@ -133,4 +134,7 @@ def tree_spec_from_args(args):
     """The :class:`dspine.trees.TreeSpec` of parsed ``--tree-budget`` / ``--tree-shape``."""
     from .trees.tree import TreeSpec, parse_tree_shape
 
-    return TreeSpec(getattr(args, "tree_budget", 0), parse_tree_shape(getattr(args, "tree_shape", "dynamic")))
+    budget = getattr(args, "tree_budget", None)
+    if budget is None:  # not given: the command's default (add_tree_args)
+        budget = getattr(args, "tree_budget_default", 0)
+    return TreeSpec(budget, parse_tree_shape(getattr(args, "tree_shape", "dynamic")))

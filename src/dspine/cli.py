@@ -262,10 +262,10 @@ def ignored_settings(args, sampling) -> list[str]:
     notes += proposer_notes(args)
     if args.mode == "ar" and getattr(args, "verify_policy", None) not in (None, "fixed"):
         notes.append(f"--verify-policy {args.verify_policy} ignored: --mode ar verifies no drafted tokens")
-    budget = getattr(args, "tree_budget", 0)
+    budget = getattr(args, "tree_budget", None)  # None: not given (the default budget applies silently)
     if budget and args.mode in ("ar", "dflash"):
         notes.append(f"--tree-budget {budget} ignored: --mode {args.mode} has no final-stage tables to build a tree from")
-    if not budget and getattr(args, "tree_shape", "dynamic") != "dynamic":
+    if budget == 0 and getattr(args, "tree_shape", "dynamic") != "dynamic":
         notes.append(f"--tree-shape {args.tree_shape} ignored: --tree-budget is 0 (a chain)")
     return notes
 
