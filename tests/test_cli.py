@@ -143,6 +143,7 @@ def test_missing_and_corrupt_weights(capsys, ckpts, tmp_path):
     (["--seed", "18446744073709551616"], "--seed"),
     (["--seed", "-1"], "--seed"),
     (["--tree-budget", "-1"], "--tree-budget"),
+    (["--tree-budget", "100000"], "--tree-budget"),
     (["--tree-shape", "4,0"], "--tree-shape"),
     (["--tree-shape", "wide"], "--tree-shape"),
 ])

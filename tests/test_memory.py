@@ -297,7 +297,9 @@ def test_tree_budget_adds_one_verification_of_buffers():
     rep = estimate(cfg, spec, context=256, dtype="float32", tree_budget=31)
     row = next(r for r in rep.rows if r.key == "tree_verify")
     F = len(cfg.feature_layers)
-    assert row.bytes == 32 * (spec.kv_per_position * 4 + spec.vocab_size * 4 + F * spec.hidden_size * 4)
+    heads = max(1, spec.hidden_size // 64)
+    assert row.bytes == (32 * (spec.kv_per_position * 4 + spec.vocab_size * 4 + F * spec.hidden_size * 4)
+                         + 32 * (256 + 32) * (1 + 4 * heads))  # mask + one layer's scores
     assert rep.total("dspine") == base.total("dspine") + row.bytes
     assert not any(r.key == "tree_verify" for r in base.rows)
     with pytest.raises(ValueError, match="--tree-budget"):

@@ -14,6 +14,9 @@ PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
 #: that was fastest with the default proposer and cost policy in benchmarks/tree_verification.json
 #: (AVX2 AMD EPYC; docs/decisions.md "Draft trees"); ``acceptance`` defaults to chains (0)
 DEFAULT_TREE_BUDGET = 8
+#: the most draft-tree nodes per cycle: one target forward holds an (N+1) x (context+N+1) mask
+#: and attention scores, and far past the final stage's useful paths a tree only costs time
+MAX_TREE_BUDGET = 256
 
 
 def _int(text: str) -> int:
@@ -109,19 +112,25 @@ def tree_shape(text: str) -> str:
     """``dynamic`` or comma-separated widths >= 1 (``--tree-shape``, :mod:`dspine.trees`)."""
     if text.strip() == "dynamic":
         return "dynamic"
-    try:
-        widths = [int(x) for x in text.split(",")]
-    except ValueError:
-        widths = []
-    if not widths or min(widths) < 1:
+    parts = [x.strip() for x in text.split(",")]
+    widths = [int(x) for x in parts if x.isascii() and x.isdigit()]
+    if len(widths) != len(parts) or min(widths) < 1:
         raise argparse.ArgumentTypeError(f"must be 'dynamic' or comma-separated widths >= 1 such as 4,2,1, got {text!r}")
     return text.strip()
+
+
+def tree_budget(text: str) -> int:
+    """Draft-tree nodes per cycle: an integer in 0..MAX_TREE_BUDGET (``--tree-budget``)."""
+    v = nonneg_int(text)
+    if v > MAX_TREE_BUDGET:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TREE_BUDGET} nodes, got {text!r}")
+    return v
 
 
 def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
     """``--tree-budget`` and ``--tree-shape`` (draft trees, :mod:`dspine.trees`)."""
     p.set_defaults(tree_budget_default=default_budget)
-    p.add_argument("--tree-budget", type=nonneg_int, default=None, metavar="N",
+    p.add_argument("--tree-budget", type=tree_budget, default=None, metavar="N",
                    help=f"verify a draft tree of up to N nodes per cycle built from the final stage's "
                         f"candidate tables instead of a single chain (0 = a chain; default {default_budget}); "
                         "DSpine drafters on the dense runtime, other cycles keep chains")

@@ -265,6 +265,10 @@ def ignored_settings(args, sampling) -> list[str]:
     budget = getattr(args, "tree_budget", None)  # None: not given (the default budget applies silently)
     if budget and args.mode in ("ar", "dflash"):
         notes.append(f"--tree-budget {budget} ignored: --mode {args.mode} has no final-stage tables to build a tree from")
+    elif budget and getattr(args, "runtime", None) == "hf":
+        notes.append(f"--tree-budget {budget} ignored: trees need the dense runtime (--runtime auto or dense)")
+    elif budget and getattr(args, "proposer", None) == "ngram":
+        notes.append(f"--tree-budget {budget} ignored: --proposer ngram copies chains (no drafter tables)")
     if budget == 0 and getattr(args, "tree_shape", "dynamic") != "dynamic":
         notes.append(f"--tree-shape {args.tree_shape} ignored: --tree-budget is 0 (a chain)")
     return notes

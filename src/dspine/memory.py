@@ -363,13 +363,17 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
                 (spec.kv_per_position + sum(e for _, e in spec.sliding)) * ts, in_total=False),
             Row("target_kv", f"target KV, {context} positions", kv_el * ts, scope="request"),
         ]
-        if tree_budget > 0:  # one tree verification: the nodes' K/V slots, float32 logits, features
-            n = tree_budget + 1
+        if tree_budget > 0:  # one tree verification: the nodes' K/V slots, float32 logits, features,
+            n = tree_budget + 1  # the tree mask and one layer's attention scores over the context
             F = len(cfg.feature_layers) or 5
             per_node = spec.kv_per_position * ts + spec.vocab_size * 4 + F * spec.hidden_size * ts
-            rows.append(Row("tree_verify", f"draft tree verification, {tree_budget} nodes + anchor", n * per_node,
+            heads = getattr(spec, "num_heads", 0) or max(1, spec.hidden_size // 64)
+            att = n * (context + n) * (1 + 4 * heads)  # bool mask + float32 scores per head
+            rows.append(Row("tree_verify", f"draft tree verification, {tree_budget} nodes + anchor",
+                            n * per_node + att,
                             f"per node: target K/V, float32 logits [{spec.vocab_size}], {F} feature layers; "
-                            f"held during one cycle", scope="request"))
+                            f"plus the [{n}, context + {n}] mask and one layer's attention scores "
+                            f"(~{heads} heads); held during one cycle", scope="request"))
         if spec.state_fp32 or spec.conv_state:
             rows.append(Row("target_state", "target recurrent state (float32) + conv state",
                             spec.state_fp32 * 4 + spec.conv_state * ts, scope="request"))
@@ -440,7 +444,9 @@ def add_memory_parser(sub) -> None:
                    help="retained positions per request (default 131072, capped at the target's window)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
-    p.add_argument("--tree-budget", type=int, default=0,
+    from .argtypes import tree_budget
+
+    p.add_argument("--tree-budget", type=tree_budget, default=0,
                    help="draft-tree nodes per cycle (generate --tree-budget): adds one tree verification's buffers")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_memory)

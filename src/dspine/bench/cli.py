@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count, tree_shape
+from ..argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count, tree_budget, tree_shape
 from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
 from .workloads import parse_workloads
 
@@ -116,7 +116,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from ..cli import add_target_runtime_args
 
     add_target_runtime_args(p, default=None, every_mode=True)
-    p.add_argument("--tree-budget", type=nonneg_int, default=None, metavar="N",
+    p.add_argument("--tree-budget", type=tree_budget, default=None, metavar="N",
                    help=f"dspine verifies a draft tree of up to N nodes per cycle (default {DEFAULT_TREE_BUDGET}, as "
                         "generate; 0 = a chain; DSpine drafters on the dense runtime)")
     p.add_argument("--tree-shape", type=tree_shape, default=None, metavar="{dynamic,W1,W2,...}",

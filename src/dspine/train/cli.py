@@ -70,6 +70,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
                                    for k, d in by_src.items()}
         res[f"tau_{s}_per_prompt"] = per
         res[f"n_{s}"] = len(prompts)
+        res["draft_tree"] = eng.tree_info()
         if nodes:
             res[f"tree_nodes_{s}"] = round(sum(nodes) / len(nodes), 2)
     res["max_new_tokens"] = max_new_tokens
@@ -383,8 +384,7 @@ def cmd_acceptance(args) -> int:
     apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True, proposer=args.proposer, tree=spec)
-    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer,
-                      "draft_tree": spec.describe(), **res}))
+    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer, **res}))
     return 0
 
 

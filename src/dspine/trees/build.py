@@ -25,10 +25,15 @@ import torch
 
 from ..config import SamplingConfig
 from ..sampling import filter_probs, sample_index, uniform
-from .tree import DraftTree
+from .tree import DraftTree, _check_widths
 
 
 def _check(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -> None:
+    for name, v in (("depth", depth), ("budget", budget)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"tree {name} must be an integer, got {v!r}")
+    if T.dim() == 3 and T.shape[-1] == 0:
+        raise ValueError("tables with no candidates (K = 0)")
     if T.dim() != 3 or cand.dim() != 2 or T.shape[:2] != cand.shape or T.shape[1] != T.shape[2]:
         raise ValueError(f"tables must be T [n, K, K] and cand [n, K], got {tuple(T.shape)} and {tuple(cand.shape)}")
     if not 0 <= depth <= T.shape[0]:
@@ -48,7 +53,8 @@ def static_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, widths: tuple[i
     tokens, q and random draws exactly.
     """
     _check(T, cand, depth, budget)
-    toks, par, dep, j_of, qids, qps = [], [], [], [], [], []
+    widths = _check_widths(widths)
+    toks, par, dep, qids, qps = [], [], [], [], []
     queue = deque([(-1, 0, 0)])  # (node, its depth, its candidate index; the root: depth 0, j 0)
     T = T.float()
     while queue and len(toks) < budget:
@@ -134,8 +140,12 @@ def graft(tree: DraftTree, tokens: list[int], merge: bool) -> tuple[DraftTree, i
     new tree and the number of nodes added.
     """
     long = dict(dtype=torch.long)
+    tokens = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
     if not tokens:
         return tree, 0
+    if merge and tree.q_ids is not None:
+        raise ValueError("graft(merge=True) is for greedy trees; a sampled tree needs merge=False "
+                         "(every node keeps the q it was drawn from)")
     if merge:
         toks, par, dep = tree.tokens.tolist(), tree.parent.tolist(), tree.depth.tolist()
         node, added = -1, 0

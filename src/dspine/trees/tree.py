@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 TREE_SHAPES = ("dynamic",)  # besides comma-separated widths such as "4,2,1"
+from ..argtypes import MAX_TREE_BUDGET  # noqa: E402 (the most nodes a tree may have)
+
+
+def _check_widths(widths) -> tuple[int, ...]:
+    if (not isinstance(widths, (tuple, list)) or not widths
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths)):
+        raise ValueError(f"--tree-shape widths must be integers >= 1, got {widths!r}")
+    return tuple(widths)
 
 
 def parse_tree_shape(text: str) -> tuple[int, ...] | None:
@@ -30,25 +38,25 @@ def parse_tree_shape(text: str) -> tuple[int, ...] | None:
     text = str(text).strip()
     if text == "dynamic":
         return None
-    try:
-        widths = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        widths = ()
-    if not widths or min(widths) < 1:
+    parts = [x.strip() for x in text.split(",")]
+    if not all(x.isascii() and x.isdigit() for x in parts) or min((int(x) for x in parts if x), default=0) < 1:
         raise ValueError(f"--tree-shape {text!r} must be 'dynamic' or comma-separated widths >= 1, e.g. 4,2,1")
-    return widths
+    return tuple(int(x) for x in parts)
 
 
 @dataclass(frozen=True)
 class TreeSpec:
     """Tree settings of an engine.
 
-    budget: most tree nodes per cycle (the anchor not counted); 0 = a single chain.
+    budget: most tree nodes per cycle (the anchor not counted; 0 = a single chain; at most
+        :data:`MAX_TREE_BUDGET`); the hybrid's copied continuation may add up to its own
+        length (:func:`dspine.trees.build.graft`).
     shape: widths per depth (see :func:`parse_tree_shape`) or None for best-first by path
         probability (greedy decoding; sampled decoding then uses ``sampled_shape``).
     sampled_shape: the static widths sampled decoding uses when ``shape`` is None.
     Raises:
-        ValueError: a negative budget (naming ``--tree-budget``).
+        ValueError: a budget that is not an integer in 0..MAX_TREE_BUDGET (naming
+            ``--tree-budget``), or widths that are not integers >= 1 (naming ``--tree-shape``).
     """
 
     budget: int = 0
@@ -56,8 +64,12 @@ class TreeSpec:
     sampled_shape: tuple[int, ...] = (4, 2, 1)
 
     def __post_init__(self):
-        if self.budget < 0:
-            raise ValueError(f"--tree-budget must be >= 0, got {self.budget}")
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_TREE_BUDGET:
+            raise ValueError(f"--tree-budget must be an integer in 0..{MAX_TREE_BUDGET}, got {b!r}")
+        if self.shape is not None:
+            object.__setattr__(self, "shape", _check_widths(self.shape))
+        object.__setattr__(self, "sampled_shape", _check_widths(self.sampled_shape))
 
     @property
     def enabled(self) -> bool:
@@ -86,7 +98,20 @@ class DraftTree:
     _children: list | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        for name in ("tokens", "parent", "depth"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.long:
+                raise ValueError(f"DraftTree.{name} must be a 1-D int64 tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
         n = self.tokens.shape[0]
+        if self.parent.shape[0] != n or self.depth.shape[0] != n:
+            raise ValueError(f"DraftTree: {n} tokens but {self.parent.shape[0]} parents and {self.depth.shape[0]} depths")
+        if (self.q_ids is None) != (self.q_probs is None):
+            raise ValueError("DraftTree: q_ids and q_probs come together (sampled trees) or not at all")
+        if self.q_ids is not None and (self.q_ids.dim() != 2 or self.q_ids.shape != self.q_probs.shape
+                                       or self.q_ids.shape[0] != n):
+            raise ValueError(f"DraftTree: q_ids {tuple(self.q_ids.shape)} and q_probs {tuple(self.q_probs.shape)} "
+                             f"must both be [{n}, K]")
         par = self.parent.tolist()
         for i, p in enumerate(par):
             if not -1 <= p < i:

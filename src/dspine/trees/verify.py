@@ -46,8 +46,19 @@ class TreeVerdict:
         return len(self.path)
 
 
+def _check_logits(tree: DraftTree, logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.shape[0] != tree.size + 1:
+        raise ValueError(f"tree verification needs logits [{tree.size + 1}, V] (the anchor and every node), "
+                         f"got {tuple(logits.shape)}")
+
+
 def verify_tree_greedy(tree: DraftTree, logits: torch.Tensor) -> TreeVerdict:
-    """Longest path of target argmaxes plus the next argmax. logits [N+1, V]."""
+    """Longest path of target argmaxes plus the next argmax. logits [N+1, V].
+
+    Raises:
+        ValueError: logits not [N+1, V].
+    """
+    _check_logits(tree, logits)
     best = torch.argmax(logits, dim=-1).tolist()  # [N+1]
     toks = tree.tokens.tolist()
     node, path = -1, []
@@ -71,8 +82,9 @@ def verify_tree_sampling(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
     ``tree.q_ids`` / ``tree.q_probs`` [N, K] must be set when the tree has nodes.
 
     Raises:
-        ValueError: a tree with nodes but without q.
+        ValueError: a tree with nodes but without q, or logits not [N+1, V].
     """
+    _check_logits(tree, logits)
     if tree.size and tree.q_probs is None:
         raise ValueError("sampled tree verification needs the distribution q of every node")
     toks = tree.tokens.tolist()
