@@ -138,12 +138,3 @@ def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
                    help="dynamic (default: the N most probable nodes by path probability when greedy; "
                         "widths 4,2,1 when sampling) | widths per depth, e.g. 4,2,1,1")
 
-
-def tree_spec_from_args(args):
-    """The :class:`dspine.trees.TreeSpec` of parsed ``--tree-budget`` / ``--tree-shape``."""
-    from .trees.tree import TreeSpec, parse_tree_shape
-
-    budget = getattr(args, "tree_budget", None)
-    if budget is None:  # not given: the command's default (add_tree_args)
-        budget = getattr(args, "tree_budget_default", 0)
-    return TreeSpec(budget, parse_tree_shape(getattr(args, "tree_shape", "dynamic")))

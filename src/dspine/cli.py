@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_int, positive_int, seed_int, thread_count, tree_spec_from_args
+from .argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_int, positive_int, seed_int, thread_count
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
@@ -173,6 +173,12 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         return target, Engine(target, prop, mode, verify_policy=policy, tree=tree)
 
 
+def _tree_spec(args):
+    from .trees.tree import tree_spec_from_args
+
+    return tree_spec_from_args(args)
+
+
 def cmd_generate(args) -> int:
     from .config import SamplingConfig
 
@@ -189,7 +195,7 @@ def cmd_generate(args) -> int:
                                   head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
                                   linear_backend=args.linear_backend, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime,
-                                  tree=tree_spec_from_args(args))
+                                  tree=_tree_spec(args))
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None

@@ -377,7 +377,7 @@ def cmd_acceptance(args) -> int:
         if args.mode and args.mode != model.cfg.mode:
             raise DrafterError(f"--mode {args.mode} does not match drafter {args.drafter} "
                                f"(trained as {model.cfg.mode}); leave --mode out for a checkpoint")
-    from ..argtypes import tree_spec_from_args
+    from ..trees.tree import tree_spec_from_args
     from ..runtime.select import apply_runtime
 
     spec = tree_spec_from_args(args)

@@ -159,3 +159,12 @@ class DraftTree:
         """A tree that is a single chain (width 1 at every depth)."""
         n = tokens.shape[0]
         return cls(tokens, torch.arange(-1, n - 1), torch.arange(1, n + 1), q_ids, q_probs)
+
+
+def tree_spec_from_args(args) -> TreeSpec:
+    """The :class:`TreeSpec` of parsed ``--tree-budget`` / ``--tree-shape``
+    (:func:`dspine.argtypes.add_tree_args`; a budget not given is the command's default)."""
+    budget = getattr(args, "tree_budget", None)
+    if budget is None:
+        budget = getattr(args, "tree_budget_default", 0)
+    return TreeSpec(budget, parse_tree_shape(getattr(args, "tree_shape", "dynamic")))
