@@ -318,16 +318,23 @@ class Engine:
         # rejected and nothing past a stop (spec s.5)
         keep = 1 + min(a, len(emitted) - 1)
         req.cache.rollback(pos + keep)
+        self._commit_draft(req, prop, _features(out, keep), ids[0, :keep].tolist(), pos, n, a, source, t0, t1)
+        return emitted
+
+    def _commit_draft(self, req: Request, prop: Proposal, feats: torch.Tensor, tokens: list[int], pos: int,
+                      n: int, a: int, source: str, t0: float, t1: float, tree_nodes: int = 0) -> None:
+        """The end of a cycle, chain or tree: the committed positions' features [keep, F*d]
+        and token ids (the anchor and the accepted proposals, from ``pos``) reach the
+        proposer, and the cycle is recorded (``n`` proposals, or the tree's depth)."""
         t2 = time.perf_counter()
         commit_s = 0.0
         if self.proposer is not None:
-            self.proposer.commit(req.draft_state, _features(out, keep), pos)
-            _observe(self.proposer, req.draft_state, ids[0, :keep].tolist(), pos)
+            self.proposer.commit(req.draft_state, feats, pos)
+            _observe(self.proposer, req.draft_state, tokens, pos)
             commit_s = time.perf_counter() - t2
         req.count_acceptance(n, a)
-        req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s,
-                                      (t2 - t1), time.perf_counter() - t0, source=source))
-        return emitted
+        req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s, t2 - t1,
+                                      time.perf_counter() - t0, source=source, tree_nodes=tree_nodes))
 
     def _step_tree(self, req: Request, prop: Proposal, t0: float) -> list[int]:
         """The verify and commit half of :meth:`step` for a draft tree (:mod:`dspine.trees`):
@@ -346,17 +353,9 @@ class Engine:
         keep = 1 + min(a, len(emitted) - 1)
         rows = ([0] + [c + 1 for c in verdict.path])[:keep]
         req.cache.keep_rows(pos, rows)
-        t2 = time.perf_counter()
-        commit_s = 0.0
-        if self.proposer is not None:
-            feats = out.features[0, rows] if out.features is not None else torch.zeros(keep, 0)
-            self.proposer.commit(req.draft_state, feats, pos)
-            _observe(self.proposer, req.draft_state, ids[0, rows].tolist(), pos)
-            commit_s = time.perf_counter() - t2
-        depth = tree.max_depth
-        req.count_acceptance(depth, a)
-        req.cycles.append(CycleRecord(depth, a + 1, prop.draft_s + commit_s, prop.final_s, t2 - t1,
-                                      time.perf_counter() - t0, source=source, tree_nodes=tree.size))
+        feats = out.features[0, rows] if out.features is not None else torch.zeros(keep, 0)
+        self._commit_draft(req, prop, feats, ids[0, rows].tolist(), pos, tree.max_depth, a, source, t0, t1,
+                           tree_nodes=tree.size)
         return emitted
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
