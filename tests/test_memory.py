@@ -91,6 +91,7 @@ def test_cli_memory_json_with_target(capsys):
 
 
 @pytest.mark.parametrize("over", [dict(), dict(mode="dflash"), dict(row_embedding=False, num_layers=3),
+                                  dict(mode="dflash", qk_norm=True, row_embedding=False),
                                   dict(profile="release", num_layers=1, ffn=64, target_hidden=64,
                                        num_heads=4, num_kv_heads=2, head_dim=16, code_dim=32, msg_dim=16)])
 def test_param_counts_match_model(over, tiny256):

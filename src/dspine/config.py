@@ -51,6 +51,7 @@ class DSpineConfig:
     final_stage: bool = True
     block_causal: bool = True  # DSpine: causal inside the block; DFlash: bidirectional
     row_embedding: bool = True  # learned per-row embedding (project choice, spec s.9)
+    qk_norm: bool = False  # per-head q/k RMSNorm before RoPE (Qwen3; z-lab DFlash as engines run it)
     mode: str = "dspine"  # "dspine" | "dflash" (informational; flags decide)
     target_name: str = ""  # target the checkpoint belongs to (informational)
 
@@ -148,6 +149,13 @@ class DSpineConfig:
 def dflash_flags() -> dict:
     """Field overrides that turn a DSpine config into the DFlash-style baseline."""
     return dict(bridge=False, final_stage=False, block_causal=False, mode="dflash")
+
+
+def engine_compatible_flags() -> dict:
+    """Overrides that make a DFlash-style drafter exactly the z-lab DFlash architecture
+    that vLLM (``DFlashDraftModel``) and llama.cpp (``dflash``) run: per-head q/k RMSNorm,
+    no per-row embedding (issue 24; `dspine export --format dflash`)."""
+    return dict(dflash_flags(), qk_norm=True, row_embedding=False)
 
 
 @dataclass

@@ -76,6 +76,7 @@ def drafter_param_counts(cfg: DSpineConfig) -> dict[str, int]:
     d, L, F = cfg.target_hidden, cfg.num_layers, len(cfg.feature_layers)
     h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layer = (2 * d  # attn_norm, mlp_norm
+             + (2 * hd if cfg.qk_norm else 0)  # q_norm, k_norm
              + d * h * hd + 2 * d * kv * hd + h * hd * d  # q, k, v, o
              + 3 * d * cfg.ffn)  # gate, up, down
     out = {

@@ -63,6 +63,9 @@ class DraftLayer(nn.Module):
         self.k_proj = nn.Linear(d, kv * hd, bias=False)
         self.v_proj = nn.Linear(d, kv * hd, bias=False)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
+        # per-head RMSNorm of queries and keys before RoPE (Qwen3 / z-lab DFlash), weight [hd]
+        self.q_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
         self.mlp_norm = RMSNorm(d, cfg.rms_eps)
         self.gate = nn.Linear(d, cfg.ffn, bias=False)
         self.up = nn.Linear(d, cfg.ffn, bias=False)
@@ -75,9 +78,17 @@ class DraftLayer(nn.Module):
         """
         b, T, _ = f.shape
         kv, hd = self.cfg.num_kv_heads, self.cfg.head_dim
-        k = self.k_proj(f).view(b, T, kv, hd).transpose(1, 2)
+        k = self._norm_k(self.k_proj(f).view(b, T, kv, hd)).transpose(1, 2)
         v = self.v_proj(f).view(b, T, kv, hd).transpose(1, 2)
         return rope(k, pos, self.cfg.rope_theta), v
+
+    def _norm_q(self, q: torch.Tensor) -> torch.Tensor:
+        """Per-head q norm ([..., H, hd] -> same) when ``cfg.qk_norm``, else q unchanged."""
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def _norm_k(self, k: torch.Tensor) -> torch.Tensor:
+        """Per-head k norm ([..., kv, hd] -> same) when ``cfg.qk_norm``, else k unchanged."""
+        return k if self.k_norm is None else self.k_norm(k)
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -86,8 +97,8 @@ class DraftLayer(nn.Module):
         b, Q, _ = h.shape
         H, kv, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         x = self.attn_norm(h)
-        q = rope(self.q_proj(x).view(b, Q, H, hd).transpose(1, 2), pos, self.cfg.rope_theta)
-        k = rope(self.k_proj(x).view(b, Q, kv, hd).transpose(1, 2), pos, self.cfg.rope_theta)
+        q = rope(self._norm_q(self.q_proj(x).view(b, Q, H, hd)).transpose(1, 2), pos, self.cfg.rope_theta)
+        k = rope(self._norm_k(self.k_proj(x).view(b, Q, kv, hd)).transpose(1, 2), pos, self.cfg.rope_theta)
         v = self.v_proj(x).view(b, Q, kv, hd).transpose(1, 2)
         k = torch.cat([ctx_k, k], dim=2)  # [b, kv, T+Q, hd]
         v = torch.cat([ctx_v, v], dim=2)

@@ -187,15 +187,22 @@ def write_model_card(ckpt: str | Path) -> Path:
 
 
 def _drafter_config(args, target):
-    from ..config import DSpineConfig, dflash_flags
+    from ..config import DSpineConfig, dflash_flags, engine_compatible_flags
 
+    compat = getattr(args, "engine_compatible", False)
+    if compat and args.mode != "dflash":
+        raise ValueError("--engine-compatible makes a DFlash-style drafter in the z-lab format that vLLM "
+                         "and llama.cpp run; it needs --mode dflash (a DSpine drafter's bridge and final "
+                         "stage have no counterpart there)")
+    extra = {k: v for k, v in engine_compatible_flags().items() if k != "mode"} if compat else {}
     if args.config in ("small", "release"):
         return DSpineConfig.for_target(target, profile=args.config, mode=args.mode,
-                                       block_size=args.block_size)
+                                       block_size=args.block_size, **extra)
     cfg = DSpineConfig.load(args.config)
     d = json.loads(cfg.to_json())
     d.update(dflash_flags() if args.mode == "dflash" else {"bridge": True, "final_stage": True,
                                                              "block_causal": True, "mode": "dspine"})
+    d.update(extra)
     return DSpineConfig.from_dict(d)
 
 
@@ -217,6 +224,8 @@ def cmd_train(args) -> int:
     from ..guards import resolve_device
     from .loop import TrainConfig, Trainer, init_distributed
 
+    if args.engine_compatible and args.mode != "dflash":  # before loading anything
+        _drafter_config(args, None)
     device = resolve_device(args.device)
     rank, world = init_distributed(device)
     if args.threads:
@@ -281,6 +290,7 @@ def cmd_train(args) -> int:
                 "hardware": _hardware(device),
                 "heldout_acceptance_greedy_fp32": acc,
                 **_warm_start_fields(tr.init_source, tr.step, tr.wall),
+                **({"init_adapted": tr.init_adapted} if tr.init_adapted else {}),
                 "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (final / "card.json").write_text(json.dumps(card, indent=2))
         write_model_card(final)
@@ -395,6 +405,9 @@ def add_train_parser(sub) -> None:
                    help="directories built by `dspine data build` / `dspine data text`")
     p.add_argument("--config", default="small", help="small | release | path to a drafter config.json")
     p.add_argument("--mode", default="dspine", choices=["dspine", "dflash"])
+    p.add_argument("--engine-compatible", action="store_true",
+                   help="with --mode dflash: the z-lab DFlash architecture (per-head q/k RMSNorm, no "
+                        "per-row embedding) that vLLM and llama.cpp serve after `dspine export`")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=positive_int, default=1000)
     p.add_argument("--batch-size", type=positive_int, default=8, help="global sequences per step")
@@ -422,7 +435,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--threads", type=thread_count, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default=None,
-                   help="warm-start weights from a drafter checkpoint dir (same config); ignored on --resume")
+                   help="warm-start weights from a drafter checkpoint dir (same config, or one that differs "
+                        "only in --engine-compatible's q/k norm and row embedding: tensors are copied by "
+                        "name, new ones start at their init); ignored on --resume")
     p.add_argument("--feature-store", default=None,
                    help="precomputed target features (`dspine train-features`) for exactly this --data/--max-len")
     p.set_defaults(func=cmd_train)

@@ -32,6 +32,10 @@ from ..guards import resolve_device
 from ..model import DSpineDrafter
 from .losses import collate, cosine_lr, drafter_losses, sample_anchors, weight_sum
 
+# config fields a warm start (--init-from) may change: tensors are copied by name, the
+# new ones (q/k norms) start at their init, the dropped ones (row embedding) are listed
+ADAPTABLE_FIELDS = frozenset({"qk_norm", "row_embedding"})
+
 
 class TrainingDiverged(ValueError):
     """The loss or its gradients became NaN/inf (the message names --lr)."""
@@ -150,6 +154,7 @@ class Trainer:
         self.memo: dict[int, torch.Tensor] = {}
         self.feature_store = feature_store  # optional FeatureStore (precomputed features)
         self.init_source: str | None = None  # checkpoint the weights were warm-started from
+        self.init_adapted: dict | None = None  # what an architecture-adapting warm start changed
         self.wall = 0.0
 
     # -- checkpoints ------------------------------------------------------------------
@@ -170,7 +175,8 @@ class Trainer:
         save_drafter(self.model, tmp, dtype=torch.float32)
         torch.save({"opt": self.opt.state_dict(), "step": self.step, "wall": self.wall,
                     "subset": self.subset, "train_config": asdict(self.tc),
-                    "init_source": self.init_source, "data_fingerprint": self.data_fingerprint()},
+                    "init_source": self.init_source,
+                    "init_adapted": self.init_adapted, "data_fingerprint": self.data_fingerprint()},
                    tmp / "trainer.pt.part")
         (tmp / "trainer.pt.part").rename(tmp / "trainer.pt")  # marks ckpt.tmp complete
         shutil.rmtree(old, ignore_errors=True)
@@ -271,6 +277,7 @@ class Trainer:
         self.step, self.wall = st["step"], st.get("wall", 0.0)
         self.subset = None if st["subset"] is None else st["subset"].to(self.device)
         self.init_source = st.get("init_source")
+        self.init_adapted = st.get("init_adapted")
         return True
 
     def init_from(self, path: str | Path) -> None:
@@ -283,11 +290,20 @@ class Trainer:
         from ..draft import DrafterError, load_drafter
 
         src = load_drafter(path, self.target, dtype=torch.float32, option="--init-from")
-        if src.cfg != self.cfg:
-            diff = [k for k, v in asdict(self.cfg).items() if asdict(src.cfg).get(k) != v]
+        diff = [k for k, v in asdict(self.cfg).items() if asdict(src.cfg).get(k) != v]
+        if set(diff) - ADAPTABLE_FIELDS:
             raise DrafterError(f"--init-from {path}: checkpoint config differs from this run's in {diff}")
-        self.model.load_state_dict(src.state_dict())
+        own, theirs = self.model.state_dict(), src.state_dict()
+        copied = {k: v for k, v in theirs.items() if k in own}
+        self.model.load_state_dict(copied, strict=False)
         self.init_source = str(path)
+        if diff:  # an architecture-adapting warm start (e.g. to --engine-compatible)
+            self.init_adapted = {"changed": diff, "dropped": sorted(set(theirs) - set(own)),
+                                 "new_at_init": sorted(set(own) - set(theirs))}
+            if self.rank == 0:
+                print(f"--init-from {path}: config differs in {diff}; copied {len(copied)} tensors, dropped "
+                      f"{self.init_adapted['dropped']}, new at init {self.init_adapted['new_at_init']}",
+                      file=sys.stderr, flush=True)
         if self.world > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
