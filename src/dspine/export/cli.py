@@ -45,7 +45,7 @@ def cmd_export(args) -> int:
         else:
             with tempfile.TemporaryDirectory(prefix="dspine-target-") as tmp:
                 view = write_engine_target(tdir, Path(tmp) / "target")
-                convert_to_gguf(view, out, args.llama_cpp, _DTYPES[args.dtype])
+                convert_to_gguf(view, out, args.llama_cpp, _DTYPES[args.dtype], python=args.converter_python)
         print(json.dumps({"format": args.format, "target": args.target, "out": str(out)}))
         return 0
 
@@ -83,7 +83,8 @@ def cmd_export(args) -> int:
                               f"with `dspine export --format target --target {args.target} --out DIR`")
         with tempfile.TemporaryDirectory(prefix="dspine-dflash-") as tmp:
             folder = export_dflash(model, Path(tmp) / "dflash", dtype=torch.float32, **kw)
-            convert_to_gguf(folder, out, args.llama_cpp, _DTYPES[args.dtype], target_dir=args.target_dir)
+            convert_to_gguf(folder, out, args.llama_cpp, _DTYPES[args.dtype], target_dir=args.target_dir,
+                            python=args.converter_python)
     print(json.dumps({"format": args.format, "drafter": str(drafter), "out": str(out), "mask_token_id": mask_id,
                       "target_layer_ids": model.cfg.feature_layers, "block_size": model.cfg.block_size}))
     return 0
@@ -105,6 +106,9 @@ def add_export_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
                    help="weights of the written files (float32 keeps them bit-exact)")
     p.add_argument("--llama-cpp", default=None, help="llama.cpp source tree (gguf formats; or $DSPINE_LLAMA_CPP)")
+    p.add_argument("--converter-python", default=None,
+                   help="Python that runs llama.cpp's converter (needs its requirements: numpy, torch, "
+                        "transformers, sentencepiece; default: this one)")
     p.add_argument("--target-dir", default=None,
                    help="engine-ready target folder (`--format target`), needed by --format gguf")
     p.set_defaults(func=cmd_export)

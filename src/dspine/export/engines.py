@@ -83,19 +83,28 @@ def find_converter(llama_cpp: str | Path | None) -> Path:
 
 
 def convert_to_gguf(model_dir: str | Path, outfile: str | Path, llama_cpp: str | Path | None,
-                    outtype: str = "f32", target_dir: str | Path | None = None) -> Path:
+                    outtype: str = "f32", target_dir: str | Path | None = None,
+                    python: str | None = None) -> Path:
     """Convert an HF folder (a DFlash export with ``target_dir``, or a target) to GGUF.
+
+    ``python``: the interpreter that runs the converter (default: this one); it needs
+    llama.cpp's converter requirements (numpy, torch, transformers, sentencepiece).
 
     Raises:
         EngineExportError: no converter, or the converter failed (its last lines quoted).
     """
     conv = find_converter(llama_cpp)
-    cmd = [sys.executable, str(conv), str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
+    cmd = [python or sys.executable, str(conv), str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
     env = dict(os.environ, PYTHONPATH=str(conv.parent / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0 or not Path(outfile).is_file():
-        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])
-        raise EngineExportError(f"llama.cpp's converter failed ({' '.join(cmd[1:3])} ...): {tail}")
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        missing = [ln for ln in lines if ln.startswith("ModuleNotFoundError")]
+        if missing:
+            raise EngineExportError(f"llama.cpp's converter needs a package this Python lacks ({missing[-1]}): "
+                                    f"install {conv.parent}/requirements/requirements-convert_hf_to_gguf.txt, "
+                                    f"or pass --converter-python with a Python that has them")
+        raise EngineExportError(f"llama.cpp's converter failed ({' '.join(cmd[1:3])} ...): {lines[-1] if lines else ''}")
     return Path(outfile)
