@@ -180,3 +180,19 @@ def test_train_engine_compatible_needs_dflash_mode(tmp_path, capsys):
     assert main(["train", "--data", str(tmp_path), "--mode", "dspine", "--engine-compatible",
                  "--out", str(tmp_path / "o")]) == 2
     assert "--engine-compatible" in capsys.readouterr().err
+
+
+def test_engine_target_folder_has_the_weights_dspine_decodes_with(tmp_path):
+    from dspine.export.engines import EngineExportError, write_engine_target
+    from dspine.targets import resolve_target
+
+    src = resolve_target("smollm2-135m")
+    out = write_engine_target(src, tmp_path / "t")
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["LlamaForCausalLM"] and c["tie_word_embeddings"] is True
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert torch.equal(b["model.embed_tokens.weight"], a["lm_head.weight"]) and "lm_head.weight" not in b
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "lm_head.weight")
+    assert (out / "tokenizer.json").exists() and "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    with pytest.raises(EngineExportError, match="not empty"):
+        write_engine_target(src, out)
