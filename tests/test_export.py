@@ -144,9 +144,13 @@ def test_negative_control_row_embedding_and_no_qk_norm_differ(tiny256, tmp_path,
 
 
 def test_cli_refuses_the_shipped_dflash_style_drafter_and_exports_a_compatible_one(tmp_path, capsys):
-    assert main(["export", "--format", "dflash", "--out", str(tmp_path / "x")]) == 2
+    assert main(["export", "--format", "dflash", "--drafter", "src/dspine/checkpoints/smollm2-135m-dflash",
+                 "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "per-row embedding" in err and "--engine-compatible" in err
+    assert main(["export", "--format", "dflash", "--drafter", "src/dspine/checkpoints/smollm2-135m-dspine",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "bridge and final stage" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     # a compatible drafter for the real target's sizes, saved as `dspine train` saves it
     from dspine.model import DSpineDrafter

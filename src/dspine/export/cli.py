@@ -53,9 +53,10 @@ def cmd_export(args) -> int:
     from ..draft import load_drafter, read_card
     from ..assets import sha256_file
 
-    drafter = args.drafter or default_drafter_path(args.target, "dflash")
+    drafter = args.drafter or default_drafter_path(args.target, "dflash-engine")
     if drafter is None:
-        raise ExportError(f"--drafter: no shipped DFlash-style drafter for {args.target}; pass a checkpoint dir")
+        raise ExportError(f"--drafter: no shipped engine-compatible drafter for {args.target}; pass a checkpoint "
+                          f"dir trained with `dspine train --mode dflash --engine-compatible`")
     model = load_drafter(drafter, None, dtype=torch.float32)
     check_exportable(model.cfg, where=f"--drafter {drafter}")
     tdir = Path(resolve_target(args.target))
@@ -97,7 +98,7 @@ def add_export_parser(sub) -> None:
                         "target-gguf: the target with dspine's exact weights for either engine")
     p.add_argument("--drafter", default=None,
                    help="DFlash-style checkpoint trained with --engine-compatible (default: the shipped "
-                        "one of --target, when it is exportable)")
+                        "TARGET-dflash-engine drafter)")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--out", required=True, help="folder (dflash, target) or file *.gguf (gguf, target-gguf)")
     p.add_argument("--mask-token-id", type=int, default=None,
