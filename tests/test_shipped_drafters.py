@@ -3,7 +3,8 @@
 The core greedy-equality and distribution tests (test_greedy_equality.py,
 test_distribution.py) use random and oracle drafters on which acceptance is
 controlled; here the same properties are checked with the shipped checkpoints
-``src/dspine/checkpoints/smollm2-135m-{dspine,dflash}`` on the real default target:
+``src/dspine/checkpoints/smollm2-135m-{dspine,dflash,dflash-engine}`` on the real default
+target (``dflash-engine``: the engine-compatible DFlash-style drafter, issue 24):
 
 * greedy output equals the plain ``ar`` loop token for token, and the trained drafter
   really gets proposals accepted (so the accept path ran, not only corrections);
@@ -53,16 +54,16 @@ N_NEG = 800
 @pytest.fixture(scope="module")
 def shipped(smol):
     out = {}
-    for mode in ("dspine", "dflash"):
+    for mode in ("dspine", "dflash", "dflash-engine"):
         path = default_drafter_path("smollm2-135m", mode)
         assert path is not None and (path / "model.safetensors").is_file(), f"no shipped {mode} drafter"
         out[mode] = DrafterProposer(load_drafter(path, smol))
     return out
 
 
-@pytest.mark.parametrize("mode", ["dspine", "dflash"])
+@pytest.mark.parametrize("mode", ["dspine", "dflash", "dflash-engine"])
 def test_shipped_drafter_greedy_equals_ar(smol, shipped, mode):
-    eng = Engine(smol, shipped[mode], mode)
+    eng = Engine(smol, shipped[mode], shipped[mode].drafter.cfg.mode)
     accepted = 0
     for text, chat in GREEDY_PROMPTS.values():
         ids = smol.encode_prompt(text, chat=chat)
