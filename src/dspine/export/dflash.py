@@ -114,6 +114,21 @@ def zlab_config(cfg: DSpineConfig, mask_token_id: int, max_position_embeddings: 
     }
 
 
+def _rename(sd: dict, top: dict[str, str], per_layer: dict[str, str], error: str) -> dict:
+    """Rename ``sd``'s keys: ``top`` maps whole names, ``per_layer`` the part after
+    ``layers.N.``; any other key raises ExportError with ``error.format(key)``."""
+    out = {}
+    for k, v in sd.items():
+        parts = k.split(".", 2)
+        if k in top:
+            out[top[k]] = v
+        elif len(parts) == 3 and parts[0] == "layers" and parts[2] in per_layer:
+            out[f"layers.{parts[1]}.{per_layer[parts[2]]}"] = v
+        else:
+            raise ExportError(error.format(k))
+    return out
+
+
 def to_zlab_state_dict(drafter_sd: dict[str, torch.Tensor], cfg: DSpineConfig,
                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Rename a drafter's state dict to z-lab names (the mask embedding is not included).
@@ -121,19 +136,9 @@ def to_zlab_state_dict(drafter_sd: dict[str, torch.Tensor], cfg: DSpineConfig,
     Raises:
         ExportError: a tensor the format has no place for, or a missing one.
     """
-    out: dict[str, torch.Tensor] = {}
     left = dict(drafter_sd)
     left.pop("mask_embed", None)
-    for k, v in list(left.items()):
-        if k in _TOP_NAMES:
-            out[_TOP_NAMES[k]] = v
-        elif k.startswith("layers."):
-            _, idx, rest = k.split(".", 2)
-            if rest not in _LAYER_NAMES:
-                raise ExportError(f"drafter tensor {k} has no place in the DFlash format")
-            out[f"layers.{idx}.{_LAYER_NAMES[rest]}"] = v
-        else:
-            raise ExportError(f"drafter tensor {k} has no place in the DFlash format")
+    out = _rename(left, _TOP_NAMES, _LAYER_NAMES, "drafter tensor {} has no place in the DFlash format")
     want = set(_TOP_NAMES.values()) | {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in _LAYER_NAMES.values()}
     missing = sorted(want - set(out))
     if missing:
@@ -143,20 +148,8 @@ def to_zlab_state_dict(drafter_sd: dict[str, torch.Tensor], cfg: DSpineConfig,
 
 def from_zlab_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`to_zlab_state_dict` (z-lab names -> dspine names)."""
-    inv_top = {v: k for k, v in _TOP_NAMES.items()}
-    inv_layer = {v: k for k, v in _LAYER_NAMES.items()}
-    out = {}
-    for k, v in sd.items():
-        if k in inv_top:
-            out[inv_top[k]] = v
-        elif k.startswith("layers."):
-            _, idx, rest = k.split(".", 2)
-            if rest not in inv_layer:
-                raise ExportError(f"DFlash tensor {k} is not part of the architecture dspine runs")
-            out[f"layers.{idx}.{inv_layer[rest]}"] = v
-        else:
-            raise ExportError(f"DFlash tensor {k} is not part of the architecture dspine runs")
-    return out
+    return _rename(sd, {v: k for k, v in _TOP_NAMES.items()}, {v: k for k, v in _LAYER_NAMES.items()},
+                   "DFlash tensor {} is not part of the architecture dspine runs")
 
 
 def export_dflash(drafter, out: str | Path, mask_token_id: int, max_position_embeddings: int,
