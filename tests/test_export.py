@@ -167,11 +167,10 @@ def test_cli_refuses_the_shipped_dflash_style_drafter_and_exports_a_compatible_o
     assert c["dflash_config"]["mask_token_id"] == res["mask_token_id"]
     assert c["dflash_config"]["target_layer_ids"] == [1, 8, 14, 21, 28]
     # the default mask token is a special token the chat template never writes
-    tok = json.loads((out.parent / "ck" / "config.json").read_text())  # noqa: F841
     assert 2 < res["mask_token_id"] < 100
     # refusals name the setting
     assert main(["export", "--format", "dflash", "--drafter", str(tmp_path / "ck"), "--out", str(out)]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "not an empty folder" in capsys.readouterr().err
     assert main(["export", "--format", "dflash", "--drafter", str(tmp_path / "ck"), "--out", str(tmp_path / "y"),
                  "--mask-token-id", "999999"]) == 2
     assert "--mask-token-id" in capsys.readouterr().err
@@ -200,3 +199,36 @@ def test_engine_target_folder_has_the_weights_dspine_decodes_with(tmp_path):
     assert (out / "tokenizer.json").exists() and "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
     with pytest.raises(EngineExportError, match="not empty"):
         write_engine_target(src, out)
+
+
+def test_cli_refusals_leave_nothing_behind(tmp_path, capsys, monkeypatch):
+    """Adversarial findings (session 15): layers the target lacks, a mask token the target
+    writes, an --out that is a file, a missing --target-dir; and a failed export leaves no
+    partial output."""
+    from dspine.model import DSpineDrafter
+
+    shipped = DSpineConfig.load("src/dspine/checkpoints/smollm2-135m-dflash")
+    base = {**json.loads(shipped.to_json()), "qk_norm": True, "row_embedding": False, "num_layers": 1}
+    torch.manual_seed(0)
+    save_drafter(DSpineDrafter(DSpineConfig.from_dict({**base, "feature_layers": [1, 8, 40]})), tmp_path / "fl")
+    save_drafter(DSpineDrafter(DSpineConfig.from_dict(base)), tmp_path / "ok")
+    assert main(["export", "--format", "dflash", "--drafter", str(tmp_path / "fl"), "--out", str(tmp_path / "a")]) == 2
+    assert "feature layers [40]" in capsys.readouterr().err
+    assert main(["export", "--format", "dflash", "--drafter", str(tmp_path / "ok"), "--out", str(tmp_path / "b"),
+                 "--mask-token-id", "2"]) == 2
+    assert "eos_token" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["export", "--format", "dflash", "--drafter", str(tmp_path / "ok"), "--out", str(tmp_path / "afile")]) == 2
+    assert "--out" in capsys.readouterr().err and (tmp_path / "afile").read_text() == "x"
+    assert main(["export", "--format", "gguf", "--drafter", str(tmp_path / "ok"), "--out", str(tmp_path / "d.gguf"),
+                 "--llama-cpp", str(tmp_path)]) == 2
+    capsys.readouterr()
+
+    import dspine.export.cli as ec
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("dspine.export.dflash.torch.save", boom)  # dies after model.safetensors is written
+    assert main(["export", "--format", "dflash", "--drafter", str(tmp_path / "ok"), "--out", str(tmp_path / "c")]) == 130
+    assert not (tmp_path / "c").exists() and not [f for f in tmp_path.iterdir() if "partial" in f.name]
+    assert ec is not None

@@ -293,6 +293,9 @@ class Trainer:
         diff = [k for k, v in asdict(self.cfg).items() if asdict(src.cfg).get(k) != v]
         if set(diff) - ADAPTABLE_FIELDS:
             raise DrafterError(f"--init-from {path}: checkpoint config differs from this run's in {diff}")
+        if diff and not (self.cfg.qk_norm and not self.cfg.row_embedding):
+            raise DrafterError(f"--init-from {path} is an engine-compatible drafter (q/k norm, no row embedding); "
+                               f"this run's is not, and would drop its trained q/k norms: add --engine-compatible")
         own, theirs = self.model.state_dict(), src.state_dict()
         copied = {k: v for k, v in theirs.items() if k in own}
         self.model.load_state_dict(copied, strict=False)
