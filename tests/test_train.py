@@ -572,3 +572,24 @@ def test_feature_store_uses_the_training_windows(tmp_path):
                  "--steps", "2", "--batch-size", "2", "--anchors", "2", "--block-size", "4", "--max-len", "32",
                  "--threads", "1", "--eval-prompts", "0", "--device", "cpu", "--vocab-subset", "0",
                  "--feature-store", str(fs)]) == 0
+
+
+def test_init_from_adapts_only_towards_engine_compatible(tmp_path):
+    """Warm start across the engine-compatible change (issue 24): a DFlash-style checkpoint
+    into an --engine-compatible run copies the shared tensors and starts the q/k norms at
+    one; the reverse (which would drop trained q/k norms) is refused."""
+    from dataclasses import replace as dc_replace
+
+    tg = load_target("random:llama", vocab_size=256)
+    Trainer(tg, _cfg(tg, "dflash"), _seqs(), tmp_path / "a", _tc(steps=2)).run()
+    src = tmp_path / "a" / "ckpt"
+    compat = dc_replace(_cfg(tg, "dflash"), qk_norm=True, row_embedding=False)
+    warm = Trainer(tg, compat, _seqs(), tmp_path / "b", _tc(steps=1, lr=0.0, warmup=1))
+    warm.run(init_from=src)
+    ref, got = load_drafter(src, tg).state_dict(), warm.model.state_dict()
+    assert all(torch.equal(ref[k], got[k]) for k in got if k in ref)
+    assert all(torch.equal(got[k], torch.ones_like(got[k])) for k in got if k.endswith(("q_norm.weight", "k_norm.weight")))
+    assert warm.init_adapted["dropped"] == ["row_embed"]
+    back = Trainer(tg, _cfg(tg, "dflash"), _seqs(), tmp_path / "c", _tc(steps=1))
+    with pytest.raises(DrafterError, match="add --engine-compatible"):
+        back.run(init_from=tmp_path / "b" / "ckpt")
