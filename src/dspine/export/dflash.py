@@ -196,7 +196,7 @@ def load_dflash(path: str | Path, window: int = 2048, target_name: str = "") -> 
     """
     from safetensors.torch import load_file
 
-    from ..config import engine_compatible_flags
+    from ..config import dflash_flags, engine_compatible_flags
     from ..model import DSpineDrafter
 
     p = Path(path)
@@ -221,7 +221,7 @@ def load_dflash(path: str | Path, window: int = 2048, target_name: str = "") -> 
                        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
                        window=window, rope_theta=float(rope), rms_eps=float(c["rms_norm_eps"]),
                        coarse_k=min(128, c["vocab_size"]), head_topk=min(16, c["vocab_size"]),
-                       target_name=target_name, **engine_compatible_flags())
+                       target_name=target_name, **dflash_flags(), **engine_compatible_flags())
     model = DSpineDrafter(cfg)
     sd = from_zlab_state_dict(load_file(str(p / "model.safetensors")))
     mask_id = int(dc["mask_token_id"])

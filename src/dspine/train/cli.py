@@ -194,7 +194,7 @@ def _drafter_config(args, target):
         raise ValueError("--engine-compatible makes a DFlash-style drafter in the z-lab format that vLLM "
                          "and llama.cpp run; it needs --mode dflash (a DSpine drafter's bridge and final "
                          "stage have no counterpart there)")
-    extra = {k: v for k, v in engine_compatible_flags().items() if k != "mode"} if compat else {}
+    extra = engine_compatible_flags() if compat else {}
     if args.config in ("small", "release"):
         return DSpineConfig.for_target(target, profile=args.config, mode=args.mode,
                                        block_size=args.block_size, **extra)
