@@ -328,6 +328,26 @@ def test_interrupted_build_is_not_complete_and_resumes(tiny, tmp_path, monkeypat
     assert sorted(r["id"] for r in _rows(out)) == [f"q{i}" for i in range(6)]
 
 
+def test_time_limit_stops_between_batches_and_the_build_resumes(tiny, tmp_path, monkeypatch):
+    """--time-limit: no batch starts after the limit; what was written stays, the manifest
+    says incomplete and why, and --resume finishes the stream."""
+    src = str(_prompts(tmp_path / "a.jsonl", 6))
+    out = tmp_path / "ds"
+    clock = iter(range(0, 1000, 10))  # each time.time() call: 10 s later
+    monkeypatch.setattr(B.time, "time", lambda: float(next(clock)))
+    man = B.build_dataset(tiny, [src], out, max_new_tokens=3, batch_size=2, progress=False, time_limit=15)
+    assert man["complete"] is False and 0 < man["counts"]["prompts"] < 6
+    assert man["runs"][-1]["stopped"] == "--time-limit 15 s"
+    assert man["sampling"]["device"] == "cpu"
+    monkeypatch.undo()
+    man = B.build_dataset(tiny, [src], out, max_new_tokens=3, batch_size=2, progress=False, resume=True)
+    assert man["complete"] and man["counts"]["prompts"] == 6
+    with pytest.raises(ValueError, match="--time-limit"):
+        B.build_dataset(tiny, [src], tmp_path / "other", progress=False, time_limit=0)
+    with pytest.raises(ValueError, match="--device"):
+        B.build_dataset(tiny, [src], tmp_path / "other2", progress=False, device="tpu")
+
+
 def test_mixed_sources_interleave(tiny, tmp_path):
     man = B.build_dataset(tiny, ["stdlib", "sharegpt"], tmp_path / "ds", max_prompts=4,
                           max_new_tokens=2, batch_size=4, max_prompt_tokens=64, progress=False)

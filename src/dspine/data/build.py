@@ -246,7 +246,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                   max_new_tokens: int = 256, batch_size: int = 32, dtype: str = "bfloat16",
                   resume: bool = False, threads: int | None = None, max_prompt_tokens: int = 384,
                   shard: tuple[int, int] = (0, 1), shard_rows: int = 5000, pool_batches: int = 8,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, device: str = "cpu", time_limit: float | None = None) -> dict:
     """Regenerate target responses for ``sources`` into ``out_dir``; return the manifest.
 
     Args:
@@ -260,12 +260,20 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
             this part. A directory keeps the shard it was started with.
         max_prompt_tokens: code prompts are left-truncated to it; longer chat prompts skipped.
         threads: torch CPU threads (None: torch's default, all cores).
+        device: where the target generates (``cpu``, ``cuda``, ``cuda:N``, ``auto``;
+            :func:`dspine.guards.resolve_device`); a loaded ``target`` stays where it is.
+        time_limit: seconds after which no new batch is started (the batch under way
+            finishes and is written; the manifest stays ``complete: false``, resumable).
     Raises:
         ValueError: empty prompt file, unknown/eval-only source, or ``out_dir`` holding
             data of another target (or of this target without ``resume``).
     """
+    from ..guards import resolve_device
     from ..target import Target, load_target
 
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"--time-limit {time_limit}: must be a positive number of seconds")
+    dev = resolve_device(device)
     if threads:
         torch.set_num_threads(int(threads))
     if not sources:
@@ -292,8 +300,8 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         raise ValueError(f"--out {out_dir} is a file, not a directory")
     iters = [iter(training_prompts(s)) for s in sources]
     if dtype == "auto" and not isinstance(target, Target):
-        dtype = _auto_dtype(target, out_dir, resume, batch_size, progress)
-    tgt: Target = target if isinstance(target, Target) else load_target(target, dtype=dtype)
+        dtype = "bfloat16" if dev.type == "cuda" else _auto_dtype(target, out_dir, resume, batch_size, progress)
+    tgt: Target = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=str(dev))
     fp = tokenizer_fingerprint(tgt.tokenizer)
     out = Path(out_dir)
     top = out  # the outermost folder this run creates (None: --out exists)
@@ -330,7 +338,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         settings = {"strategy": "greedy", "max_new_tokens": max_new_tokens,
                     "dtype": str(tgt.dtype).replace("torch.", ""),
                     "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size,
-                    "threads": torch.get_num_threads(), "eos_token_ids": sorted(tgt.eos_token_ids),
+                    "threads": torch.get_num_threads(), "device": str(tgt.device), "eos_token_ids": sorted(tgt.eos_token_ids),
                     "pad_token_id": int(pad_id)}
         if man is not None and man.get("counts", {}).get("prompts", 0) > 0:
             _check_resume_settings(out, man, settings)
@@ -366,6 +374,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         bar = tqdm(unit="tok", desc=f"data build {tgt.name}", disable=not progress, dynamic_ncols=True,
                    mininterval=0.5 if sys.stderr.isatty() else 30.0)
         t0, new_tokens = time.time(), 0
+        stopped = False  # --time-limit reached
         with cpu_speed_patches(tgt.model) as attn:
             man["sampling"]["attention"] = attn
             while True:
@@ -398,6 +407,9 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                     break
                 pool.sort(key=lambda x: len(x[1]))
                 for b in range(0, len(pool), batch_size):
+                    if time_limit is not None and time.time() - t0 >= time_limit:
+                        stopped = True
+                        break
                     batch = pool[b:b + batch_size]
                     outs = generate_batch(tgt.model, [ids for _, ids in batch], max_new_tokens,
                                           tgt.eos_token_ids, pad_id)
@@ -424,9 +436,13 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                     save()
                     bar.update(sum(len(r) for r, _ in outs))
                     bar.set_postfix(rows=counts["prompts"], tok_s=run["new_tokens_per_s"])
+                if stopped:
+                    break
         bar.close()
         run["finished"] = _now()
-        save(complete=True)
+        if stopped:
+            run["stopped"] = f"--time-limit {time_limit:g} s"
+        save(complete=not stopped)
         return man
     finally:
         if lock is not None:

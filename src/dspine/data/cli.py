@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import nonneg_int, positive_int, thread_count
+from ..argtypes import nonneg_int, positive_float, positive_int, thread_count
 from .build import MANIFEST, _data_dir, build_dataset, pack_dataset, parse_shard, read_manifest, verify_packed
 
 
@@ -27,6 +27,9 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue a directory, skipping done ids")
     p.add_argument("--shard", default="0/1",
                    help="k/N: build only prompts i %% N == k of the stream (N processes, N --out dirs)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    p.add_argument("--time-limit", type=positive_float, default=None, metavar="SECONDS",
+                   help="start no new batch after this many seconds (the run stays resumable)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_build)
 
@@ -36,7 +39,7 @@ def _cmd_build(args) -> int:
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         dtype=args.dtype, resume=args.resume, threads=args.threads,
                         max_prompt_tokens=args.max_prompt_tokens, shard=parse_shard(args.shard),
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, device=args.device, time_limit=args.time_limit)
     print(json.dumps({"out": str(args.out), "counts": man["counts"], "complete": man["complete"]}))
     return 0
 

@@ -1,4 +1,4 @@
-"""Batched greedy generation on CPU for the data build (spec section 9).
+"""Batched greedy generation for the data build (spec section 9), on the target's device.
 
 :func:`generate_batch` gives the same tokens as transformers' ``model.generate``
 (greedy, left padding, positions from the attention mask) but drops finished rows
@@ -102,7 +102,9 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
     from transformers import DynamicCache
 
     eos = set(int(e) for e in eos_ids)
+    dev = next(model.parameters()).device
     ids, mask = _left_pad(prompts, pad_id)
+    ids, mask = ids.to(dev), mask.to(dev)
     n = len(prompts)
     cache = DynamicCache(config=model.config)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -125,16 +127,16 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
         keep = [slot for slot, r in enumerate(rows) if not done[r]]
         if can_select and len(keep) < len(rows):
             try:
-                cache.batch_select_indices(torch.tensor(keep))
+                cache.batch_select_indices(torch.tensor(keep, device=dev))
             except (AttributeError, NotImplementedError, TypeError):
                 can_select = False
             else:
-                sel = torch.tensor(keep)
+                sel = torch.tensor(keep, device=dev)
                 rows = [rows[k] for k in keep]
                 nxt, mask, last_pos = nxt[sel], mask[sel], last_pos[sel]
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
         last_pos = last_pos + 1
-        step_ids = torch.where(torch.tensor([done[r] for r in rows]), pad_id, nxt)
+        step_ids = torch.where(torch.tensor([done[r] for r in rows], device=dev), pad_id, nxt)
         out = model(input_ids=step_ids[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                     past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1)

@@ -250,7 +250,8 @@ def cmd_train(args) -> int:
                      eval_every=args.eval_every, eval_prompts=args.eval_prompts, vocab_subset=args.vocab_subset,
                      feature_dtype=args.feature_dtype,
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
-                     memo_features=not args.no_memo_features, device=str(device))
+                     memo_features=not args.no_memo_features, device=str(device),
+                     soft_topk=args.soft_labels, soft_weight=args.soft_weight)
 
     def eval_fn(model):  # periodic signal: the target is in --feature-dtype while training
         return measure_acceptance(target, model, n=tc.eval_prompts, max_new_tokens=tc.eval_max_new_tokens)
@@ -419,6 +420,11 @@ def add_train_parser(sub) -> None:
                    help="the cosine schedule ends at this fraction of --lr (0 = decay to zero)")
     p.add_argument("--warmup", type=nonneg_int, default=50)
     p.add_argument("--vocab-subset", type=nonneg_int, default=8192, help="CE over the N most frequent tokens (0 = all)")
+    p.add_argument("--soft-labels", type=nonneg_int, default=0, metavar="K",
+                   help="also train on the target's own next-token distribution (its top K "
+                        "probabilities from the feature forward); 0 = hard labels only (default)")
+    p.add_argument("--soft-weight", type=unit_float, default=0.5,
+                   help="share of the soft-label CE in each row's CE with --soft-labels (default: 0.5)")
     p.add_argument("--feature-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="dtype the target computes training features in; auto: bfloat16 with "
                         "--feature-store, else the faster of the two measured on this machine (cached)")

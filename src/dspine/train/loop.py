@@ -30,7 +30,7 @@ from ..config import DSpineConfig
 from ..draft import check_fits_target, save_drafter
 from ..guards import resolve_device
 from ..model import DSpineDrafter
-from .losses import collate, cosine_lr, drafter_losses, sample_anchors, weight_sum
+from .losses import collate, cosine_lr, drafter_losses, sample_anchors, target_topk, weight_sum
 
 # config fields a warm start (--init-from) may change: tensors are copied by name, the
 # new ones (q/k norms) start at their init, the dropped ones (row embedding) are listed
@@ -66,6 +66,8 @@ class TrainConfig:
     autocast_bf16: bool = False
     memo_features: bool = True  # keep each sequence's target features in RAM once computed
     device: str = "cpu"  # resolved device name (see resolve_device)
+    soft_topk: int = 0  # > 0: soft labels from the target's top-k (losses.py), 0 = hard labels only
+    soft_weight: float = 0.5  # share of the soft-label CE in each row's CE when soft_topk > 0
 
     def __post_init__(self) -> None:
         for f in ("steps", "batch_size", "anchors_per_seq", "max_len", "save_every"):
@@ -75,7 +77,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr (--lr) must be a finite number >= 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_ratio (--min-lr-ratio) must be in [0, 1], got {self.min_lr_ratio}")
-        for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts"):
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise ValueError(f"TrainConfig.soft_weight (--soft-weight) must be in [0, 1], got {self.soft_weight}")
+        for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts", "soft_topk"):
             if getattr(self, f) < 0:
                 raise ValueError(f"TrainConfig.{f} must be >= 0, got {getattr(self, f)}")
         if self.max_len < 4:
@@ -152,6 +156,12 @@ class Trainer:
                        if 0 < tc.vocab_subset < drafter_cfg.vocab_size else None)
         self.data_meta = data_meta or {}
         self.memo: dict[int, torch.Tensor] = {}
+        self.soft_memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # target top-k per sequence
+        if tc.soft_topk and feature_store is not None:
+            raise ValueError("--soft-labels needs the target's logits, which a --feature-store does not hold; "
+                             "train without --feature-store or without --soft-labels")
+        if tc.soft_topk > drafter_cfg.vocab_size:
+            raise ValueError(f"--soft-labels {tc.soft_topk} exceeds the vocabulary ({drafter_cfg.vocab_size})")
         self.feature_store = feature_store  # optional FeatureStore (precomputed features)
         self.init_source: str | None = None  # checkpoint the weights were warm-started from
         self.init_adapted: dict | None = None  # what an architecture-adapting warm start changed
@@ -211,7 +221,7 @@ class Trainer:
                 return
 
     # settings added after checkpoints were written: what those checkpoints trained with
-    LEGACY_DEFAULTS = {"min_lr_ratio": 0.1}
+    LEGACY_DEFAULTS = {"min_lr_ratio": 0.1, "soft_topk": 0, "soft_weight": 0.5}
     # settings a resumed run may change (how long, how often to save / evaluate, where, and
     # the dtype the target computes features in: a speed choice measured per machine,
     # `--feature-dtype auto`, that must not stop a run moved to another CPU)
@@ -219,7 +229,8 @@ class Trainer:
                   "memo_features", "device", "feature_dtype"}
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
               "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup",
-              "vocab_subset": "--vocab-subset", "seed": "--seed", "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast"}
+              "vocab_subset": "--vocab-subset", "seed": "--seed", "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast",
+              "soft_topk": "--soft-labels", "soft_weight": "--soft-weight"}
 
     def resume(self) -> bool:
         """Load ``ckpt/`` if present; returns True when resumed, False when no checkpoint
@@ -340,7 +351,9 @@ class Trainer:
         """Target features [b, T, F*d] float32 for a collated batch (teacher forcing).
 
         Computed online by a target forward; with ``memo_features`` each sequence's
-        features are kept in RAM (feature dtype) after the first time it is drawn.
+        features are kept in RAM (feature dtype) after the first time it is drawn. With
+        ``soft_topk`` the same forward's top-k next-token distribution per position is kept
+        too (:attr:`last_soft`, ids [b, T, k] int32 and probs float16, on the device).
         """
         from ..data.build import cpu_speed_patches
 
@@ -351,26 +364,42 @@ class Trainer:
             self.target.dtype = fdt
         T = batch.ids.shape[1]
         store = self.feature_store
+        K = tc.soft_topk
         todo = [j for j, i in enumerate(idx)
-                if not ((tc.memo_features and i in self.memo) or (store is not None and i in store))]
-        fresh = {}
+                if not ((tc.memo_features and i in self.memo and (not K or i in self.soft_memo))
+                        or (store is not None and i in store))]
+        fresh, fresh_soft = {}, {}
         if todo:
             dev = self.target.device
             ids, valid = batch.ids[todo].to(dev), batch.valid[todo].to(dev)
             with cpu_speed_patches(self.target.model):
                 out = self.target.model(input_ids=ids, attention_mask=valid.long(),
-                                        output_hidden_states=True, logits_to_keep=1)
+                                        output_hidden_states=True, logits_to_keep=0 if K else 1)
             f = torch.cat([out.hidden_states[l + 1] for l in self.cfg.feature_layers], -1)  # [n, T, F*d]
             for k, j in enumerate(todo):
                 fresh[j] = f[k]
+                if K:  # one row at a time: the float32 softmax of [T, V] stays small
+                    fresh_soft[j] = target_topk(out.logits[k], K)
                 if tc.memo_features:
-                    self.memo[idx[j]] = f[k][: int(valid[k].sum())].to("cpu", copy=True)  # RAM, not GPU
-        rows = []
-        for j, i in enumerate(idx):
-            x = fresh[j] if j in fresh else (self.memo[i] if i in self.memo else store.get(i))
+                    n_valid = int(valid[k].sum())
+                    self.memo[idx[j]] = f[k][:n_valid].to("cpu", copy=True)  # RAM, not GPU
+                    if K:
+                        self.soft_memo[idx[j]] = tuple(t[:n_valid].to("cpu", copy=True) for t in fresh_soft[j])
+            del out
+        rows, s_ids, s_p = [], [], []
+
+        def fit(x: torch.Tensor) -> torch.Tensor:  # [n, ...] -> [T, ...] on the training device
             x = x.to(self.device)
             pad = T - x.shape[0]
-            rows.append(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad > 0 else x[:T])
+            return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad > 0 else x[:T]
+
+        for j, i in enumerate(idx):
+            rows.append(fit(fresh[j] if j in fresh else (self.memo[i] if i in self.memo else store.get(i))))
+            if K:
+                si, sp = fresh_soft[j] if j in fresh_soft else self.soft_memo[i]
+                s_ids.append(fit(si))
+                s_p.append(fit(sp))
+        self.last_soft = (torch.stack(s_ids), torch.stack(s_p)) if K else None
         return torch.stack(rows).float()
 
     def train_step(self) -> dict:
@@ -395,7 +424,8 @@ class Trainer:
         self.model.train()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.autocast_bf16):
             losses = drafter_losses(self.model, feats, batch, anchors, tc.gamma,
-                                    None if self.subset is None else self.subset, tc.fs_weight, denom)
+                                    None if self.subset is None else self.subset, tc.fs_weight, denom,
+                                    soft=self.last_soft, soft_weight=tc.soft_weight)
         self.opt.zero_grad(set_to_none=True)
         losses["loss"].backward()
         if self.world > 1:  # data parallel: average gradients over ranks (one flat all-reduce)

@@ -12,6 +12,14 @@ Losses:
   true predecessor u* (the anchor for row 1), the true token injected into S_i when
   the top-K misses it (only when the config has a final stage).
 
+Soft labels (``--soft-labels K``, issue 23): the target's own distribution at the
+position before each supervised token, kept as its top-K probabilities from the same
+teacher-forcing forward that gives the features. Row k's CE becomes
+``(1 - lam) * CE(hard label) + lam * CE(p_topK)``, where ``CE(p) = -sum_v p(v) log q(v)``
+over the K ids renormalized (forward KL to the truncated target distribution up to its
+entropy, the distillation loss of Hinton et al. 2015; EAGLE-3 and DFlash train on hard
+labels). With a one-hot ``p`` it equals the hard-label CE.
+
 Optionally the CE runs over a reduced vocabulary ``vocab_subset`` (the most frequent
 target tokens, as EAGLE-3 does) to cut the cost of the frozen 49k head; rows whose
 label lies outside the subset are skipped (project choice, docs/decisions.md).
@@ -118,12 +126,48 @@ def row_weights(B: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
+def target_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-``k`` next-token ids [..., k] int32 and probabilities [..., k]
+    float16 (softmax over the whole vocabulary, not renormalized) from ``logits`` [..., V]."""
+    p = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(p, k, dim=-1)
+    return top.indices.to(torch.int32), top.values.to(torch.float16)
+
+
+def soft_block_targets(soft: tuple[torch.Tensor, torch.Tensor], anchors: torch.Tensor, B: int,
+                       remap: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The soft targets of rows 1..B-1 of each block: the target's top-K at positions
+    anchor + 0 .. anchor + B-2 (row k's token follows position anchor + k - 1).
+
+    soft: (ids [b, T, K] int, probs [b, T, K]) per sequence position; anchors [b, nb];
+    remap [V] (full id -> subset index, -100 outside the subset) or None.
+    Returns (ids [b, nb, B-1, K] int64 in subset indices, clamped to >= 0, and weights
+    [b, nb, B-1, K] float32 summing to 1 over K where any id is in the subset, else 0).
+    """
+    ids, probs = soft
+    b, T, K = ids.shape
+    pos = (anchors[:, :, None] + torch.arange(B - 1, device=anchors.device)).clamp(max=T - 1)  # [b, nb, B-1]
+    flat = pos.reshape(b, -1)
+    g_ids = torch.gather(ids.long(), 1, flat[..., None].expand(-1, -1, K)).view(*pos.shape, K)
+    g_p = torch.gather(probs.float(), 1, flat[..., None].expand(-1, -1, K)).view(*pos.shape, K)
+    if remap is not None:
+        g_ids = remap[g_ids]
+        g_p = torch.where(g_ids >= 0, g_p, torch.zeros_like(g_p))
+    tot = g_p.sum(-1, keepdim=True)
+    w = torch.where(tot > 0, g_p / tot.clamp_min(1e-12), torch.zeros_like(g_p))
+    return g_ids.clamp_min(0), w
+
+
 def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, anchors: torch.Tensor,
                    gamma: float, vocab_subset: torch.Tensor | None = None,
-                   fs_weight: float = 1.0, denom: float | None = None) -> dict[str, torch.Tensor]:
+                   fs_weight: float = 1.0, denom: float | None = None,
+                   soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   soft_weight: float = 0.5) -> dict[str, torch.Tensor]:
     """Losses for one batch.
 
-    feats [b, T, F*d] target features; anchors [b, nb]. Returns a dict with ``loss``
+    feats [b, T, F*d] target features; anchors [b, nb]. ``soft``: the target's top-K per
+    position (ids [b, T, K], probs [b, T, K], :func:`target_topk`), mixed into each row's
+    CE with weight ``soft_weight`` (module docstring). Returns a dict with ``loss``
     (scalar to backprop), ``ce``, ``fs`` (final-stage CE, 0 without final stage),
     ``acc1`` (row-1 top-1 accuracy of the continuous logits) and ``rows``.
     ``denom`` overrides the weight normaliser (data parallel: global weight sum / world
@@ -140,6 +184,7 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
     labels = block_labels(batch, anchors, B)[:, :, 1:]  # [b, nb, B-1]
     w = row_weights(B, gamma, dev).expand_as(labels)
     H = drafter.head
+    remap = None
     if vocab_subset is not None:
         Hs = H[vocab_subset]  # [Vs, d]
         remap = torch.full((H.shape[0],), -100, dtype=torch.long, device=dev)
@@ -152,6 +197,11 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
     ok = tgt >= 0
     ce_rows = Fn.cross_entropy(z.float().reshape(-1, z.shape[-1]), tgt.reshape(-1), ignore_index=-100,
                                reduction="none").view_as(tgt)
+    if soft is not None and soft_weight > 0:
+        s_ids, s_w = soft_block_targets(soft, anchors, B, remap)
+        logq = torch.log_softmax(z.float(), dim=-1)  # [b, nb, B-1, Vs]
+        soft_rows = -(torch.gather(logq, -1, s_ids) * s_w).sum(-1)  # [b, nb, B-1]
+        ce_rows = (1 - soft_weight) * ce_rows + soft_weight * soft_rows
     wsum = (w * ok).sum().clamp_min(1.0) if denom is None else torch.tensor(max(denom, 1e-6), device=dev)
     ce = (ce_rows * w * ok).sum() / wsum
     with torch.no_grad():
