@@ -593,3 +593,15 @@ def test_init_from_adapts_only_towards_engine_compatible(tmp_path):
     back = Trainer(tg, _cfg(tg, "dflash"), _seqs(), tmp_path / "c", _tc(steps=1))
     with pytest.raises(DrafterError, match="add --engine-compatible"):
         back.run(init_from=tmp_path / "b" / "ckpt")
+
+
+def test_time_limit_saves_and_stops_and_resume_finishes_the_same_schedule(tmp_path):
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=6, time_limit=1e-9))
+    tr.run()
+    assert tr.stopped_early and tr.step == 0 and (tmp_path / "ckpt" / "trainer.pt").exists()
+    tr2 = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=6))  # the limit may change on resume
+    tr2.run(resume=True)
+    assert not tr2.stopped_early and tr2.step == 6
+    with pytest.raises(ValueError, match="--time-limit"):
+        _tc(time_limit=float("inf"))

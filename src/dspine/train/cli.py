@@ -251,7 +251,7 @@ def cmd_train(args) -> int:
                      feature_dtype=args.feature_dtype,
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
                      memo_features=not args.no_memo_features, device=str(device),
-                     soft_topk=args.soft_labels, soft_weight=args.soft_weight)
+                     soft_topk=args.soft_labels, soft_weight=args.soft_weight, time_limit=args.time_limit or 0.0)
 
     def eval_fn(model):  # periodic signal: the target is in --feature-dtype while training
         return measure_acceptance(target, model, n=tc.eval_prompts, max_new_tokens=tc.eval_max_new_tokens)
@@ -286,7 +286,8 @@ def cmd_train(args) -> int:
         card = {"target": args.target, "mode": cfg.mode, "data": [str(d) for d in args.data],
                 "data_summary": _data_summary(args.data),
                 "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
-                "steps": tr.step, "train_config": json.loads(json.dumps(tc.__dict__)),
+                "steps": tr.step, **({"stopped_by_time_limit": True} if tr.stopped_early else {}),
+                "train_config": json.loads(json.dumps(tc.__dict__)),
                 "wall_time_s": round(tr.wall, 1), "world_size": world,
                 "hardware": _hardware(device),
                 "heldout_acceptance_greedy_fp32": acc,
@@ -420,6 +421,9 @@ def add_train_parser(sub) -> None:
                    help="the cosine schedule ends at this fraction of --lr (0 = decay to zero)")
     p.add_argument("--warmup", type=nonneg_int, default=50)
     p.add_argument("--vocab-subset", type=nonneg_int, default=8192, help="CE over the N most frequent tokens (0 = all)")
+    p.add_argument("--time-limit", type=positive_float, default=None, metavar="SECONDS",
+                   help="save and stop after this many seconds of training even before --steps "
+                        "(the final export and held-out measurement still run; --resume continues)")
     p.add_argument("--soft-labels", type=nonneg_int, default=0, metavar="K",
                    help="also train on the target's own next-token distribution (its top K "
                         "probabilities from the feature forward); 0 = hard labels only (default)")

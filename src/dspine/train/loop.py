@@ -68,6 +68,7 @@ class TrainConfig:
     device: str = "cpu"  # resolved device name (see resolve_device)
     soft_topk: int = 0  # > 0: soft labels from the target's top-k (losses.py), 0 = hard labels only
     soft_weight: float = 0.5  # share of the soft-label CE in each row's CE when soft_topk > 0
+    time_limit: float = 0.0  # seconds of this process's training after which it saves and stops (0 = none)
 
     def __post_init__(self) -> None:
         for f in ("steps", "batch_size", "anchors_per_seq", "max_len", "save_every"):
@@ -77,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr (--lr) must be a finite number >= 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_ratio (--min-lr-ratio) must be in [0, 1], got {self.min_lr_ratio}")
+        if not (self.time_limit >= 0 and math.isfinite(self.time_limit)):
+            raise ValueError(f"TrainConfig.time_limit (--time-limit) must be a finite number >= 0, got {self.time_limit}")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise ValueError(f"TrainConfig.soft_weight (--soft-weight) must be in [0, 1], got {self.soft_weight}")
         for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts", "soft_topk"):
@@ -226,7 +229,7 @@ class Trainer:
     # the dtype the target computes features in: a speed choice measured per machine,
     # `--feature-dtype auto`, that must not stop a run moved to another CPU)
     _RESUMABLE = {"steps", "save_every", "eval_every", "eval_prompts", "eval_max_new_tokens",
-                  "memo_features", "device", "feature_dtype"}
+                  "memo_features", "device", "feature_dtype", "time_limit"}
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
               "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup",
               "vocab_subset": "--vocab-subset", "seed": "--seed", "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast",
@@ -466,7 +469,20 @@ class Trainer:
             self.init_from(init_from)
         tc = self.tc
         bar = tqdm(total=tc.steps, initial=self.step, desc=f"train {self.cfg.mode}", disable=self.rank != 0)
+        started = time.perf_counter()
+        self.stopped_early = False
         while self.step < tc.steps:
+            if tc.time_limit and time.perf_counter() - started >= tc.time_limit:
+                self.stopped_early = True  # rank 0's clock decides for every rank (same step count)
+            if self.world > 1:
+                flag = torch.tensor([float(self.stopped_early)], device=self.device)
+                dist.broadcast(flag, 0)
+                self.stopped_early = bool(flag.item())
+            if self.stopped_early:
+                if self.rank == 0:
+                    print(f"note: --time-limit {tc.time_limit:g} s reached at step {self.step} of {tc.steps}; "
+                          f"saved (--resume continues the same schedule)", file=sys.stderr)
+                break
             t0 = time.perf_counter()
             rec = self.train_step()
             self.wall += time.perf_counter() - t0
