@@ -37,28 +37,41 @@ EXCLUDE_LINES = (f"/{CKPTS}/",)  # .gpu/ is in .gitignore
 def split_file(src: Path, out_dir: Path, part_bytes: int) -> list[Path]:
     """Write ``src`` as ``<name>.partNN`` files of at most ``part_bytes`` in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if part_bytes < 1:
+        raise ValueError(f"part size {part_bytes} bytes: must be at least 1")
     parts = []
     with open(src, "rb") as f:
         while chunk := f.read(part_bytes):
-            p = out_dir / f"{src.name}.part{len(parts):02d}"
+            p = out_dir / f"{src.name}.part{len(parts):03d}"  # sorts as it joins (cat part*)
             p.write_bytes(chunk)
             parts.append(p)
     return parts
 
 
 def done_ids(data_dirs: list[Path]) -> set[str]:
-    """Prompt ids already answered in ``dspine data build`` directories (packed or not)."""
+    """Prompt ids already answered in ``dspine data build`` directories (packed or not).
+
+    Raises:
+        ValueError: a folder that is not a data directory (no ``manifest.json``), or a
+            shard that cannot be read (naming it); a torn last line is skipped.
+    """
     ids: set[str] = set()
     for d in data_dirs:
-        for shard in sorted(d.glob("data-*.jsonl*")):
+        if not (Path(d) / "manifest.json").is_file():
+            raise ValueError(f"--skip-data {d}: not a `dspine data build` directory (no manifest.json)")
+        for shard in sorted(Path(d).glob("data-*.jsonl*")):
             opener = gzip.open if shard.suffix == ".gz" else open
-            with opener(shard, "rt", encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
+            try:
+                with opener(shard, "rt", encoding="utf-8") as f:
+                    for line in f:
                         try:
-                            ids.add(json.loads(line)["id"])
-                        except (json.JSONDecodeError, KeyError):
-                            pass  # a torn last line of a growing shard
+                            row = json.loads(line) if line.strip() else None
+                        except json.JSONDecodeError:
+                            continue  # a torn last line of a growing shard
+                        if isinstance(row, dict) and "id" in row:
+                            ids.add(str(row["id"]))
+            except (OSError, EOFError, UnicodeDecodeError) as e:
+                raise ValueError(f"--skip-data: cannot read {shard}: {e}") from None
     return ids
 
 
@@ -70,14 +83,18 @@ def export_prompts(source: str, out: Path, skip: set[str]) -> int:
     from dspine.data.sources import training_prompts
 
     n = 0
-    with gzip.open(out, "wt", encoding="utf-8") as f:
-        for rec in training_prompts(source):
-            if rec["id"] in skip:
-                continue
-            row = {"id": rec["id"], "kind": rec.get("kind", "chat")}
-            row.update({k: rec[k] for k in ("prompt", "messages") if k in rec})
-            f.write(json.dumps(row) + "\n")
-            n += 1
+    try:
+        with gzip.open(out, "wt", encoding="utf-8") as f:
+            for rec in training_prompts(source):
+                if rec["id"] in skip:
+                    continue
+                row = {"id": rec["id"], "kind": rec.get("kind", "chat")}
+                row.update({k: rec[k] for k in ("prompt", "messages") if k in rec})
+                f.write(json.dumps(row) + "\n")
+                n += 1
+    except BaseException:
+        out.unlink(missing_ok=True)  # no half-written prompt file left behind
+        raise
     return n
 
 
@@ -114,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--untrack", action="store_true", help="only take the checkpoints out of the index")
     ap.add_argument("--restore", action="store_true", help="only put the checkpoints back in the index")
     a = ap.parse_args(argv)
+    if not 1 <= a.part_mib <= 60:
+        ap.error(f"--part-mib {a.part_mib}: must be 1..60 (a call carries at most 64 MiB with the ~12 MB tree)")
     if a.untrack:
         untrack()
         return 0
@@ -127,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.target not in NAMED_TARGETS:
         raise SystemExit(f"--target {a.target!r}: only named targets are staged ({sorted(NAMED_TARGETS)})")
     spec = NAMED_TARGETS[a.target]
+    skip = done_ids([ROOT / d for d in a.skip_data])  # checked before .gpu/ is replaced
+    if a.init and not (Path(a.init) / "config.json").is_file():
+        raise SystemExit(f"--init {a.init}: not a drafter checkpoint (no config.json)")
     if STAGE.exists():
         shutil.rmtree(STAGE)
     STAGE.mkdir()
     gguf = _assemble_gguf(spec, dspine_home() / "gguf" / f"{spec.name}.gguf")
     parts = split_file(gguf, STAGE / "gguf", a.part_mib << 20)
-    skip = done_ids([ROOT / d for d in a.skip_data])
     (STAGE / "prompts").mkdir()
     for s in a.sources:
         n = export_prompts(s, STAGE / "prompts" / f"prompts-{s}.jsonl.gz", skip)

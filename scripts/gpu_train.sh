@@ -26,8 +26,17 @@
 #   TRAIN_ARGS     more `dspine train` options (e.g. "--block-size 4 --threads 1" for the tiny CPU test)
 #   WORK           scratch folder (default: a new temporary folder)
 set -euo pipefail
-cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the results}"
+abspath() { case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }  # relative to the caller's folder
+OUT=$(abspath "$OUT")
+if [ -n "${PROMPTS:-}" ]; then PROMPTS=$(for p in $PROMPTS; do abspath "$p"; done | tr '\n' ' '); fi
+if [ -n "${WORK:-}" ]; then WORK=$(abspath "$WORK"); fi
+if [ -n "${INIT_FROM:-}" ]; then INIT_FROM=$(abspath "$INIT_FROM"); fi
+if [ -n "${BASE_DATA:-}" ] && [ -e "$BASE_DATA" ]; then BASE_DATA=$(abspath "$BASE_DATA"); fi
+if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
+    echo "gpu_train.sh: OUT $OUT is not empty; give an empty or new folder (its files would be shipped)" >&2; exit 2
+fi
+cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -46,6 +55,20 @@ mkdir -p "$OUT" "$WORK"
 LOG="$OUT/run.log"
 dspine() { "$PY" -m dspine.cli "$@"; }
 say() { echo "[gpu_train $(date -u +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
+trap 'say "failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
+
+# the training settings are checked before the data build spends its time
+"$PY" - "$STEPS" "$TRAIN_SECONDS" "$TRAIN_BATCH" "$ANCHORS" "$LR" "$WARMUP" "$SOFT_LABELS" "$MAX_LEN" <<'CHECK'
+import sys
+from dspine.train.loop import TrainConfig
+s, t, b, a, lr, w, k, ml = sys.argv[1:]
+try:
+    assert float(t) > 0, "TRAIN_SECONDS must be > 0"
+    TrainConfig(steps=int(s), time_limit=float(t), batch_size=int(b), anchors_per_seq=int(a), lr=float(lr),
+                warmup=int(w), soft_topk=int(k), max_len=int(ml))
+except (ValueError, AssertionError) as e:
+    sys.exit(f"gpu_train.sh: bad training setting: {e}")
+CHECK
 
 say "device=$DEVICE target=$TARGET mode=$MODE prompts=[$PROMPTS] base_data=${BASE_DATA:-none} init_from=${INIT_FROM:-none}"
 "$PY" - <<'EOF' 2>&1 | tee -a "$LOG" >&2
@@ -61,6 +84,7 @@ dspine data build --target "$TARGET" --prompts $PROMPTS --out "$WORK/data" --dev
     --dtype float32 --batch-size "$DATA_BATCH" --max-new-tokens "$MAX_NEW" --time-limit "$DATA_SECONDS" \
     ${MAX_PROMPTS:+--max-prompts "$MAX_PROMPTS"} --no-progress 2>&1 | tee -a "$LOG" >&2
 dspine data pack "$WORK/data" 2>&1 | tee -a "$LOG" >&2
+tar -C "$WORK" -cf "$OUT/data.tar" --exclude='*.jsonl' --exclude='.lock' data  # shipped even if training fails
 say "data build + pack: $(( $(date +%s) - t0 )) s"
 
 # 2. train on the new rows and the committed ones
@@ -79,8 +103,7 @@ say "train: $(( $(date +%s) - t0 )) s"
 # 3. results: at most 8 files, 16 MiB each, 64 MiB together
 tar -C "$WORK/run" -cf "$WORK/drafter.tar" final
 split -b 15m -d "$WORK/drafter.tar" "$OUT/drafter.tar.part"
-tar -C "$WORK" -cf "$OUT/data.tar" --exclude='*.jsonl' --exclude='.lock' data
-cp "$WORK/run/metrics.jsonl" "$OUT/metrics.jsonl"
+if [ -f "$WORK/run/metrics.jsonl" ]; then cp "$WORK/run/metrics.jsonl" "$OUT/metrics.jsonl"; fi
 ( cd "$OUT" && sha256sum drafter.tar.part* data.tar > SHA256SUMS )
 n=$(find "$OUT" -type f | wc -l); total=$(du -cb "$OUT"/* | tail -1 | cut -f1)
 big=$(find "$OUT" -type f -size +16M | wc -l)

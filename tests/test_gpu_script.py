@@ -51,6 +51,7 @@ def test_gpu_script_runs_end_to_end_on_cpu_within_the_device_limits(tmp_path):
         t.extractall(tmp_path / "unpacked", filter="data")
     card = json.loads((tmp_path / "unpacked" / "final" / "card.json").read_text())
     assert card["steps"] == 3 and card["train_config"]["soft_topk"] == 4
+    assert "soft labels: the target's top 4" in (tmp_path / "unpacked" / "final" / "README.md").read_text()
     from dspine.draft import load_drafter
     from dspine.target import load_target
     tg = load_target("random:llama")
@@ -76,6 +77,17 @@ def test_gpu_script_refuses_without_out_or_prompts(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")], env=_env(tmp_path, PROMPTS=""),
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and "no prompt files" in r.stderr
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "drafter.tar.part01").write_text("stale")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")], env=_env(tmp_path, OUT="full"),
+                       capture_output=True, text=True, cwd=tmp_path)  # relative to the caller's folder
+    assert r.returncode == 2 and "is not empty" in r.stderr
+    for kw in ({"TRAIN_SECONDS": "0"}, {"SOFT_LABELS": "-1"}, {"STEPS": "0"}):
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")],
+                           env=_env(tmp_path, OUT=str(tmp_path / f"o{len(kw)}{list(kw)[0]}"), **kw),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "bad training setting" in r.stderr, (kw, r.stderr[-500:])
+        assert not (tmp_path / "work" / "data").exists()  # refused before the data build
 
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git checkout")
@@ -95,11 +107,14 @@ def test_stage_helpers_split_join_and_skip_answered_prompts(tmp_path):
     blob = os.urandom(2500)
     (tmp_path / "t.gguf").write_bytes(blob)
     parts = stage.split_file(tmp_path / "t.gguf", tmp_path / "parts", 1000)
-    assert [p.stat().st_size for p in parts] == [1000, 1000, 500]
+    assert [p.stat().st_size for p in parts] == [1000, 1000, 500] and parts[0].name == "t.gguf.part000"
     assert b"".join(p.read_bytes() for p in parts) == blob
 
     d = tmp_path / "data"
     d.mkdir()
+    with pytest.raises(ValueError, match="not a `dspine data build` directory"):
+        stage.done_ids([d])
+    (d / "manifest.json").write_text("{}")
     with gzip.open(d / "data-00000.jsonl.gz", "wt") as f:
         f.write(json.dumps({"id": "a"}) + "\n")
     (d / "data-00001.jsonl").write_text(json.dumps({"id": "b"}) + "\n" + '{"id": "c", "prompt_ids": [1')  # torn line
@@ -108,6 +123,9 @@ def test_stage_helpers_split_join_and_skip_answered_prompts(tmp_path):
     src.write_text("".join(json.dumps({"id": i, "prompt": f"question {i}?"}) + "\n" for i in "abcd"))
     out = tmp_path / "prompts-p.jsonl.gz"
     assert stage.export_prompts(str(src), out, {"a", "b"}) == 2
+    with pytest.raises(ValueError):
+        stage.export_prompts("humaneval", tmp_path / "bad.jsonl.gz", set())  # eval-only: refused
+    assert not (tmp_path / "bad.jsonl.gz").exists()
     from dspine.data.sources import iter_jsonl_prompts
     plain = tmp_path / "prompts-p.jsonl"
     plain.write_bytes(gzip.decompress(out.read_bytes()))

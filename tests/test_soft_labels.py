@@ -75,6 +75,16 @@ def test_one_hot_soft_labels_equal_the_hard_loss_and_a_shifted_one_does_not(subs
         assert abs(float(off["loss"].detach()) - float(hard["loss"].detach())) > 1e-2
 
 
+def test_rows_whose_soft_ids_all_lie_outside_the_subset_keep_the_whole_hard_loss():
+    tg, d, batch, anchors, feats = _setup()
+    vs = torch.arange(0, 255)  # id 255 is outside the subset
+    ids = torch.full((*batch.ids.shape, 2), 255, dtype=torch.int32)
+    p = torch.full((*batch.ids.shape, 2), 0.5, dtype=torch.float16)
+    hard = drafter_losses(d, feats, batch, anchors, 7.0, vs)
+    soft = drafter_losses(d, feats, batch, anchors, 7.0, vs, soft=(ids, p), soft_weight=0.7)
+    assert torch.allclose(hard["loss"], soft["loss"], rtol=1e-6)  # not (1 - 0.7) x the hard loss
+
+
 def test_soft_targets_renormalize_and_drop_ids_outside_the_subset():
     ids = torch.tensor([[[5, 6, 7], [1, 2, 3]]], dtype=torch.int32)  # [b=1, T=2, K=3]
     p = torch.tensor([[[0.5, 0.3, 0.1], [0.2, 0.2, 0.2]]], dtype=torch.float16)
@@ -134,3 +144,11 @@ def test_soft_labels_refuse_a_feature_store_and_bad_settings(tmp_path):
         _tc(soft_topk=4, soft_weight=1.5)
     with pytest.raises(ValueError, match="exceeds the vocabulary"):
         Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(soft_topk=300))
+
+
+def test_soft_weight_without_soft_labels_is_refused_by_name(tmp_path, capsys):
+    from dspine.cli import main
+    rc = main(["train", "--target", "random:llama", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "r"),
+               "--soft-weight", "0.3", "--threads", "1"])
+    assert rc == 2 and "--soft-weight applies to soft labels only" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

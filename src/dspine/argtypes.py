@@ -14,6 +14,10 @@ PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
 #: that was fastest with the default proposer and cost policy in benchmarks/tree_verification.json
 #: (AVX2 AMD EPYC; docs/decisions.md "Draft trees"); ``acceptance`` defaults to chains (0)
 DEFAULT_TREE_BUDGET = 8
+#: ``--tree-size``: ``fixed`` verifies every node the budget allows; ``cost`` the best-first
+#: prefix with the most expected tokens per second (dspine.trees.sizer)
+TREE_SIZES = ("fixed", "cost")
+DEFAULT_TREE_SIZE = "fixed"
 #: the most draft-tree nodes per cycle: one target forward holds an (N+1) x (context+N+1) mask
 #: and attention scores, and far past the final stage's useful paths a tree only costs time
 MAX_TREE_BUDGET = 256
@@ -137,4 +141,8 @@ def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
     p.add_argument("--tree-shape", type=tree_shape, default="dynamic", metavar="{dynamic,W1,W2,...}",
                    help="dynamic (default: the N most probable nodes by path probability when greedy; "
                         "widths 4,2,1 when sampling) | widths per depth, e.g. 4,2,1,1")
+    p.add_argument("--tree-size", choices=TREE_SIZES, default=DEFAULT_TREE_SIZE,
+                   help=f"fixed: verify every node the budget allows | cost: verify the most probable nodes "
+                        f"while they add expected tokens faster than time (greedy dynamic trees, with "
+                        f"--verify-policy cost) (default {DEFAULT_TREE_SIZE})")
 

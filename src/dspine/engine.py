@@ -206,6 +206,12 @@ class Engine:
         self.target, self.proposer, self.mode = target, (proposer if mode != "ar" else None), mode
         self.verify_policy = verify_policy
         self.tree = tree or TreeSpec()
+        # --tree-size cost: the verified prefix of best-first trees, from the policy's cost curve
+        self.tree_sizer = None
+        curve = getattr(verify_policy, "cost", None)
+        if self.tree.enabled and self.tree.size == "cost" and curve is not None:
+            from .trees.sizer import TreeSizer
+            self.tree_sizer = TreeSizer(curve.verify_s)
         # target feature layers the proposer reads; None (no capture) for ``ar`` and for
         # proposers without features (oracles in tests), which then get [n, 0] features
         fl = list(getattr(self.proposer, "feature_layers", None) or []) if self.proposer else []
@@ -293,7 +299,7 @@ class Engine:
         prop = None
         if n > 0 and self.tree.enabled and self.target.supports_tree(req.cache):
             prop = self.proposer.propose_tree(req.draft_state, req.anchor, pos, n, self.tree, req.sampling,
-                                              req.gen)
+                                              req.gen, trim=self.tree_sizer.trim if self.tree_sizer else None)
         if prop is not None and prop.tree is not None:
             return self._step_tree(req, prop, t0)
         if n > 0:
@@ -346,7 +352,11 @@ class Engine:
         ids = torch.cat([torch.tensor([req.anchor]), tree.tokens])[None].to(self.target.device)
         out = self.target.forward(ids, req.cache, self.feature_layers,
                                   tree=(tree.positions(), tree.attention_mask()))
+        if self.tree_sizer is not None:
+            verify_s = time.perf_counter() - t1
         verdict = verify_tree(tree, out.logits[0], req.sampling, req.gen)
+        if self.tree_sizer is not None:
+            self.tree_sizer.observe(tree, verdict.path, verify_s)
         a = verdict.accepted
         path_tokens = [int(tree.tokens[c]) for c in verdict.path]
         emitted = self._emit(req, path_tokens + [verdict.token])
@@ -449,6 +459,9 @@ class Engine:
             return f"chain ({self.mode} drafter has no final-stage tables for a tree)"
         if not self.target.supports_tree(self.target.new_cache()):
             return f"chain (trees need the dense runtime; target runs {self.target.runtime_name})"
+        if self.tree.size == "cost" and self.tree_sizer is None:
+            return self.tree.describe().replace(", size=cost", ", size=fixed: --tree-size cost needs "
+                                                "--verify-policy cost")
         return self.tree.describe()
 
     def result(self, req: Request) -> GenerationResult:

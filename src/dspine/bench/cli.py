@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, nonneg_int, positive_int, seed_int, thread_count, tree_budget, tree_shape
+from ..argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, PROPOSER_NAMES, TREE_SIZES, nonneg_int, positive_int, seed_int, thread_count, tree_budget, tree_shape
 from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
 from .workloads import parse_workloads
 
@@ -60,7 +60,7 @@ def config_from_args(args) -> BenchConfig:
         modes=parse_modes(args.modes) if args.modes else None, drafters=drafters or None,
         block_size=args.block_size, pld_tokens=args.pld_tokens, verify_policy=args.verify_policy,
         linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
-        tree_budget=args.tree_budget, tree_shape=args.tree_shape,
+        tree_budget=args.tree_budget, tree_shape=args.tree_shape, tree_size=args.tree_size,
         workloads=tuple(parse_workloads(args.workloads)) if args.workloads else None,
         limit=args.limit, max_new_tokens=args.max_new_tokens, context_tokens=args.context_tokens,
         settings=_settings(args) if args.settings else None, repeats=args.repeats, warmup=args.warmup,
@@ -121,6 +121,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "generate; 0 = a chain; DSpine drafters on the dense runtime)")
     p.add_argument("--tree-shape", type=tree_shape, default=None, metavar="{dynamic,W1,W2,...}",
                    help="dynamic (default) | widths per depth, e.g. 4,2,1")
+    p.add_argument("--tree-size", choices=list(TREE_SIZES), default=None,
+                   help=f"fixed | cost: the verified prefix of best-first trees chosen per cycle "
+                        f"(default {DEFAULT_TREE_SIZE}, as generate)")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
     p.add_argument("--pld-tokens", type=positive_int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
     p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools,edit or all (default all)")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import DEFAULT_TREE_BUDGET
+from ..argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE
 from ..config import SamplingConfig
 from .fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
 from .runners import ALL_MODES, ENGINE_MODES, HF_MODES, make_runner
@@ -71,6 +71,7 @@ class BenchConfig:
     runtime: str = "auto"  # the shared target's forward (dspine.runtime.select); hf/hf-pld run transformers' generate
     tree_budget: int = DEFAULT_TREE_BUDGET  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains
     tree_shape: str = "dynamic"  # dynamic | widths per depth such as 4,2,1
+    tree_size: str = DEFAULT_TREE_SIZE  # fixed | cost (dspine.trees.sizer)
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
     max_new_tokens: int | None = None
@@ -283,7 +284,7 @@ class Harness:
         from ..trees.tree import TreeSpec, parse_tree_shape
 
         try:
-            tree = TreeSpec(cfg.tree_budget, parse_tree_shape(cfg.tree_shape))
+            tree = TreeSpec(cfg.tree_budget, parse_tree_shape(cfg.tree_shape), size=cfg.tree_size)
         except ValueError as e:
             raise BenchError(str(e)) from None
         self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,

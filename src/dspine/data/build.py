@@ -199,14 +199,17 @@ def _check_resume_settings(out: Path, man: dict, settings: dict) -> None:
                              f"{old[key]!r} or use another --out")
 
 
-def _auto_dtype(target: str, out_dir, resume: bool, batch_size: int, progress: bool) -> str:
+def _auto_dtype(target: str, out_dir, resume: bool, batch_size: int, progress: bool, cuda: bool = False) -> str:
     """``--dtype auto``: the dtype of the rows already in ``out_dir`` when resuming (rows
-    must not mix dtypes), else the faster of float32 / bfloat16 for a batched decode step
-    measured on this machine (:func:`dspine.tune.dtype.choose_forward_dtype`, cached)."""
+    must not mix dtypes), else bfloat16 on CUDA, else the faster of float32 / bfloat16 for
+    a batched decode step measured on this machine
+    (:func:`dspine.tune.dtype.choose_forward_dtype`, cached)."""
     man = read_manifest(Path(out_dir)) if resume and Path(out_dir).is_dir() else None
     old = (man or {}).get("sampling", {}).get("dtype")
     if old in ("float32", "bfloat16", "float16"):
         return old
+    if cuda:
+        return "bfloat16"
     from ..target import load_target
     from ..tune.dtype import choose_forward_dtype
 
@@ -300,7 +303,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         raise ValueError(f"--out {out_dir} is a file, not a directory")
     iters = [iter(training_prompts(s)) for s in sources]
     if dtype == "auto" and not isinstance(target, Target):
-        dtype = "bfloat16" if dev.type == "cuda" else _auto_dtype(target, out_dir, resume, batch_size, progress)
+        dtype = _auto_dtype(target, out_dir, resume, batch_size, progress, cuda=dev.type == "cuda")
     tgt: Target = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=str(dev))
     fp = tokenizer_fingerprint(tgt.tokenizer)
     out = Path(out_dir)

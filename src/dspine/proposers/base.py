@@ -109,11 +109,13 @@ class Proposer:
         raise NotImplementedError
 
     def propose_tree(self, state, anchor: int, anchor_pos: int, depth: int, spec, sampling: SamplingConfig,
-                     gen: torch.Generator | None) -> Proposal | None:
+                     gen: torch.Generator | None, trim=None) -> Proposal | None:
         """A draft tree at most ``depth`` deep under ``spec`` (:class:`dspine.trees.TreeSpec`),
         as a :class:`Proposal` with ``tree`` set, or None when this proposer (or this
         cycle's planned source) makes chains only; the engine then calls :meth:`propose`.
-        Every node must carry the exact q it was drawn from (see :mod:`dspine.trees`)."""
+        Every node must carry the exact q it was drawn from (see :mod:`dspine.trees`).
+        ``trim``: optional ``trim(tree, draft_s) -> tree`` applied to a greedy best-first
+        tree before anything is grafted on (:meth:`dspine.trees.sizer.TreeSizer.trim`)."""
         return None
 
     def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:

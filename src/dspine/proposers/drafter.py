@@ -198,11 +198,12 @@ class DrafterProposer(Proposer):
 
     @torch.no_grad()
     def propose_tree(self, state: DraftContextCache, anchor: int, anchor_pos: int, depth: int, spec,
-                     sampling: SamplingConfig, gen) -> Proposal | None:
+                     sampling: SamplingConfig, gen, trim=None) -> Proposal | None:
         """A draft tree (:mod:`dspine.trees.build`) at most ``depth`` deep under ``spec``
         (:class:`dspine.trees.TreeSpec`): best-first for greedy decoding with a dynamic
         shape, else the static widths (``spec.sampled_shape`` when sampling with a
-        dynamic shape). Returns a :class:`Proposal` whose ``tree`` is set (``tokens`` are
+        dynamic shape). ``trim``: see :meth:`Proposer.propose_tree` (greedy best-first
+        trees only). Returns a :class:`Proposal` whose ``tree`` is set (``tokens`` are
         the tree's nodes), or None when this drafter has no final stage (the engine then
         drafts a chain)."""
         if not self.supports_tree or depth < 1:
@@ -221,6 +222,8 @@ class DrafterProposer(Proposer):
         cand, T = cand.cpu(), T.cpu()
         if sampling.greedy and spec.shape is None:
             tree = dynamic_tree(T, cand, depth, spec.budget)
+            if trim is not None:
+                tree = trim(tree, time.perf_counter() - t0)
         else:
             shape = spec.shape if spec.shape is not None else spec.sampled_shape
             tree = static_tree(T, cand, depth, shape, spec.budget, sampling, gen)

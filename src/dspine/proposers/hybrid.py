@@ -131,7 +131,7 @@ class HybridProposer(Proposer):
         return p
 
     def propose_tree(self, state: HybridState, anchor: int, anchor_pos: int, depth: int, spec,
-                     sampling: SamplingConfig, gen: torch.Generator | None) -> Proposal | None:
+                     sampling: SamplingConfig, gen: torch.Generator | None, trim=None) -> Proposal | None:
         """The drafter's tree when this cycle drafts, with the copied continuation (a suffix
         match of ``strong_match``+ tokens) grafted on as one more branch
         (:func:`dspine.trees.build.graft`: merged into matching nodes when greedy, a separate
@@ -139,7 +139,7 @@ class HybridProposer(Proposer):
         The copy reads only the committed context and the anchor, so its q is exact."""
         if self._source(state, anchor, depth) != self.drafter_proposer.source:
             return None
-        p = self.drafter_proposer.propose_tree(state.draft, anchor, anchor_pos, depth, spec, sampling, gen)
+        p = self.drafter_proposer.propose_tree(state.draft, anchor, anchor_pos, depth, spec, sampling, gen, trim)
         if p is None:
             return None
         state.chosen = None

@@ -163,6 +163,10 @@ def write_model_card(ckpt: str | Path) -> Path:
         f"{_schedule({**Trainer.LEGACY_DEFAULTS, **tc}['min_lr_ratio'] if tc else None)}, "
         f"warmup {tc.get('warmup')}, vocab subset "
         f"{tc.get('vocab_subset')}, bf16 autocast {tc.get('autocast_bf16')})",
+        *([f"- soft labels: the target's top {tc['soft_topk']} next-token probabilities, weight "
+           f"{tc.get('soft_weight')} in each row's CE"] if tc.get("soft_topk") else []),
+        *([f"- stopped by --time-limit {tc.get('time_limit')} s at step {c.get('steps')} of {tc.get('steps')} "
+           f"(--resume continues the schedule)"] if c.get("stopped_by_time_limit") else []),
         *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
           if c.get("init_from") else []),
         f"- wall time: {c.get('wall_time_s')} s on {c.get('hardware')}, world size {c.get('world_size')}",
@@ -226,6 +230,8 @@ def cmd_train(args) -> int:
 
     if args.engine_compatible and args.mode != "dflash":  # before loading anything
         _drafter_config(args, None)
+    if args.soft_weight is not None and not args.soft_labels:
+        raise ValueError("--soft-weight applies to soft labels only: add --soft-labels K (e.g. 8) or drop --soft-weight")
     device = resolve_device(args.device)
     rank, world = init_distributed(device)
     if args.threads:
@@ -251,7 +257,8 @@ def cmd_train(args) -> int:
                      feature_dtype=args.feature_dtype,
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
                      memo_features=not args.no_memo_features, device=str(device),
-                     soft_topk=args.soft_labels, soft_weight=args.soft_weight, time_limit=args.time_limit or 0.0)
+                     soft_topk=args.soft_labels, soft_weight=0.5 if args.soft_weight is None else args.soft_weight,
+                     time_limit=args.time_limit or 0.0)
 
     def eval_fn(model):  # periodic signal: the target is in --feature-dtype while training
         return measure_acceptance(target, model, n=tc.eval_prompts, max_new_tokens=tc.eval_max_new_tokens)
@@ -427,7 +434,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--soft-labels", type=nonneg_int, default=0, metavar="K",
                    help="also train on the target's own next-token distribution (its top K "
                         "probabilities from the feature forward); 0 = hard labels only (default)")
-    p.add_argument("--soft-weight", type=unit_float, default=0.5,
+    p.add_argument("--soft-weight", type=unit_float, default=None,
                    help="share of the soft-label CE in each row's CE with --soft-labels (default: 0.5)")
     p.add_argument("--feature-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="dtype the target computes training features in; auto: bfloat16 with "

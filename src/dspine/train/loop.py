@@ -78,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr (--lr) must be a finite number >= 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_ratio (--min-lr-ratio) must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.soft_topk:  # unused without soft labels: one value, so resuming never trips on it
+            self.soft_weight = 0.5
         if not (self.time_limit >= 0 and math.isfinite(self.time_limit)):
             raise ValueError(f"TrainConfig.time_limit (--time-limit) must be a finite number >= 0, got {self.time_limit}")
         if not 0.0 <= self.soft_weight <= 1.0:
@@ -471,6 +473,7 @@ class Trainer:
         bar = tqdm(total=tc.steps, initial=self.step, desc=f"train {self.cfg.mode}", disable=self.rank != 0)
         started = time.perf_counter()
         self.stopped_early = False
+        rec = None
         while self.step < tc.steps:
             if tc.time_limit and time.perf_counter() - started >= tc.time_limit:
                 self.stopped_early = True  # rank 0's clock decides for every rank (same step count)
@@ -482,6 +485,8 @@ class Trainer:
                 if self.rank == 0:
                     print(f"note: --time-limit {tc.time_limit:g} s reached at step {self.step} of {tc.steps}; "
                           f"saved (--resume continues the same schedule)", file=sys.stderr)
+                if rec is not None and self.step % 10:  # the last step is in metrics.jsonl too
+                    self.log({**rec, "stopped_by_time_limit": True})
                 break
             t0 = time.perf_counter()
             rec = self.train_step()

@@ -18,7 +18,9 @@ teacher-forcing forward that gives the features. Row k's CE becomes
 ``(1 - lam) * CE(hard label) + lam * CE(p_topK)``, where ``CE(p) = -sum_v p(v) log q(v)``
 over the K ids renormalized (forward KL to the truncated target distribution up to its
 entropy, the distillation loss of Hinton et al. 2015; EAGLE-3 and DFlash train on hard
-labels). With a one-hot ``p`` it equals the hard-label CE.
+labels). With a one-hot ``p`` it equals the hard-label CE. With a vocabulary subset the
+ids outside it are dropped before renormalizing; a row none of whose top-K ids is in the
+subset keeps the plain hard-label CE.
 
 Optionally the CE runs over a reduced vocabulary ``vocab_subset`` (the most frequent
 target tokens, as EAGLE-3 does) to cut the cost of the frozen 49k head; rows whose
@@ -201,7 +203,8 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
         s_ids, s_w = soft_block_targets(soft, anchors, B, remap)
         logq = torch.log_softmax(z.float(), dim=-1)  # [b, nb, B-1, Vs]
         soft_rows = -(torch.gather(logq, -1, s_ids) * s_w).sum(-1)  # [b, nb, B-1]
-        ce_rows = (1 - soft_weight) * ce_rows + soft_weight * soft_rows
+        has = s_w.sum(-1) > 0  # a row whose top-K lies wholly outside the subset keeps its hard CE
+        ce_rows = torch.where(has, (1 - soft_weight) * ce_rows + soft_weight * soft_rows, ce_rows)
     wsum = (w * ok).sum().clamp_min(1.0) if denom is None else torch.tensor(max(denom, 1e-6), device=dev)
     ce = (ce_rows * w * ok).sum() / wsum
     with torch.no_grad():

@@ -110,7 +110,7 @@ def dynamic_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -
             heapq.heappush(heap, (-(score + lp), tie, parent, d, v))
             tie += 1
 
-    toks, par, dep = [], [], []
+    toks, par, dep, logs = [], [], [], []
     push(-1, 0, 0, 0.0)
     while heap and len(toks) < budget:
         neg, _, parent, d, v = heapq.heappop(heap)
@@ -118,14 +118,16 @@ def dynamic_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -
         toks.append(int(cand[d, v]))
         par.append(parent)
         dep.append(d + 1)
+        logs.append(-neg)
         push(idx, d + 1, v, -neg)
-    return _tree(toks, par, dep, [], [])
+    return _tree(toks, par, dep, [], [], path_prob=torch.tensor(logs, dtype=torch.float64).exp())
 
 
-def _tree(toks, par, dep, qids, qps) -> DraftTree:
+def _tree(toks, par, dep, qids, qps, path_prob=None) -> DraftTree:
     long = dict(dtype=torch.long)
     return DraftTree(torch.tensor(toks, **long), torch.tensor(par, **long), torch.tensor(dep, **long),
-                     torch.stack(qids) if qids else None, torch.stack(qps) if qps else None)
+                     torch.stack(qids) if qids else None, torch.stack(qps) if qps else None,
+                     path_prob=path_prob)
 
 
 def graft(tree: DraftTree, tokens: list[int], merge: bool) -> tuple[DraftTree, int]:
@@ -162,8 +164,11 @@ def graft(tree: DraftTree, tokens: list[int], merge: bool) -> tuple[DraftTree, i
             added += 1
         if not added:
             return tree, 0
+        pp = None
+        if tree.path_prob is not None:  # copied nodes carry no drafter estimate
+            pp = torch.cat([tree.path_prob, torch.full((added,), float("nan"), dtype=torch.float64)])
         return DraftTree(torch.tensor(toks, **long), torch.tensor(par, **long), torch.tensor(dep, **long),
-                         tree.q_ids, tree.q_probs), added
+                         tree.q_ids, tree.q_probs, path_prob=pp), added
     m = len(tokens)
     K = tree.q_ids.shape[1] if tree.q_ids is not None else 1
     new = torch.tensor([int(t) for t in tokens], **long)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 TREE_SHAPES = ("dynamic",)  # besides comma-separated widths such as "4,2,1"
+from ..argtypes import TREE_SIZES  # noqa: E402 (--tree-size)
 from ..argtypes import MAX_TREE_BUDGET  # noqa: E402 (the most nodes a tree may have)
 
 
@@ -54,6 +55,9 @@ class TreeSpec:
     shape: widths per depth (see :func:`parse_tree_shape`) or None for best-first by path
         probability (greedy decoding; sampled decoding then uses ``sampled_shape``).
     sampled_shape: the static widths sampled decoding uses when ``shape`` is None.
+    size: ``fixed`` (verify every node the budget allows) or ``cost`` (greedy best-first
+        trees: verify the prefix that maximizes expected tokens per second,
+        :class:`dspine.trees.sizer.TreeSizer`; needs the cost verification policy's curve).
     Raises:
         ValueError: a budget that is not an integer in 0..MAX_TREE_BUDGET (naming
             ``--tree-budget``), or widths that are not integers >= 1 (naming ``--tree-shape``).
@@ -62,8 +66,11 @@ class TreeSpec:
     budget: int = 0
     shape: tuple[int, ...] | None = None
     sampled_shape: tuple[int, ...] = (4, 2, 1)
+    size: str = "fixed"
 
     def __post_init__(self):
+        if self.size not in TREE_SIZES:
+            raise ValueError(f"--tree-size {self.size!r} is unknown; accepted: {', '.join(TREE_SIZES)}")
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_TREE_BUDGET:
             raise ValueError(f"--tree-budget must be an integer in 0..{MAX_TREE_BUDGET}, got {b!r}")
@@ -79,7 +86,8 @@ class TreeSpec:
         if not self.enabled:
             return "chain"
         shape = "dynamic" if self.shape is None else ",".join(map(str, self.shape))
-        return f"tree(budget={self.budget}, shape={shape})"
+        size = ", size=cost" if self.size == "cost" else ""
+        return f"tree(budget={self.budget}, shape={shape}{size})"
 
 
 @dataclass
@@ -87,7 +95,9 @@ class DraftTree:
     """A flattened draft tree (see the module docstring). All tensors on the CPU.
 
     tokens [N] int64, parent [N] int64, depth [N] int64; q_ids [N, K] int64 and
-    q_probs [N, K] float64 for sampled trees, None for greedy ones.
+    q_probs [N, K] float64 for sampled trees, None for greedy ones. ``path_prob`` [N]
+    float64 (best-first trees): the drafter's probability of each node's whole path, the
+    product of the final stage's softmax along it, non-increasing in node order.
     """
 
     tokens: torch.Tensor
@@ -96,6 +106,7 @@ class DraftTree:
     q_ids: torch.Tensor | None = None
     q_probs: torch.Tensor | None = None
     _children: list | None = field(default=None, repr=False)
+    path_prob: torch.Tensor | None = None
 
     def __post_init__(self):
         for name in ("tokens", "parent", "depth"):
@@ -112,6 +123,8 @@ class DraftTree:
                                        or self.q_ids.shape[0] != n):
             raise ValueError(f"DraftTree: q_ids {tuple(self.q_ids.shape)} and q_probs {tuple(self.q_probs.shape)} "
                              f"must both be [{n}, K]")
+        if self.path_prob is not None and tuple(self.path_prob.shape) != (n,):
+            raise ValueError(f"DraftTree.path_prob must be [{n}], got {tuple(self.path_prob.shape)}")
         par = self.parent.tolist()
         for i, p in enumerate(par):
             if not -1 <= p < i:
@@ -124,6 +137,21 @@ class DraftTree:
         for i, p in enumerate(par):
             kids[p + 1].append(i)
         self._children = kids
+
+    def prefix(self, m: int) -> "DraftTree":
+        """The tree of the first ``m`` nodes (parents precede children, so any prefix is a
+        tree; for a best-first tree, its ``m`` most probable nodes).
+
+        Raises:
+            ValueError: ``m`` outside 1..size.
+        """
+        if not 1 <= m <= self.size:
+            raise ValueError(f"a prefix of {m} nodes of a {self.size}-node tree")
+        if m == self.size:
+            return self
+        cut = (lambda t: None if t is None else t[:m].clone())
+        return DraftTree(self.tokens[:m].clone(), self.parent[:m].clone(), self.depth[:m].clone(),
+                         cut(self.q_ids), cut(self.q_probs), path_prob=cut(self.path_prob))
 
     @property
     def size(self) -> int:
@@ -167,4 +195,5 @@ def tree_spec_from_args(args) -> TreeSpec:
     budget = getattr(args, "tree_budget", None)
     if budget is None:
         budget = getattr(args, "tree_budget_default", 0)
-    return TreeSpec(budget, parse_tree_shape(getattr(args, "tree_shape", "dynamic")))
+    return TreeSpec(budget, parse_tree_shape(getattr(args, "tree_shape", "dynamic")),
+                    size=getattr(args, "tree_size", "fixed"))
