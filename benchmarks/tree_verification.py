@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from side_by_side import heldout_ids, interleaved_greedy, paired_ratio
+
 from dspine.cli import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
-from dspine.data.build import encode_record
-from dspine.data.sources import heldout_prompts
 from dspine.draft import DrafterProposer, load_drafter
 from dspine.engine import Engine
 from dspine.policy import make_policy
@@ -88,27 +88,11 @@ def main() -> None:
             name = f"{label} {'chain' if b == 0 else f'tree{b}'}"
             configs[name] = Engine(t, prop, "dspine", verify_policy=pol, tree=TreeSpec(b))
     labels = list(configs)
-    prompts = {}
-    for s in ("code", "chat"):
-        for k, rec in enumerate(heldout_prompts(s, a.prompts)):
-            prompts[f"{s}{k}"] = encode_record(t, rec)[-768:]
-    warm = t.encode_prompt("Name three colours.", chat=True)
-    for eng in configs.values():
-        eng.generate(warm, SamplingConfig(), 32)
+    prompts = heldout_ids(t, a.prompts)
+    runs, ids_of = interleaved_greedy(
+        t, configs, prompts, a.rounds, a.tokens,
+        lambda res: {"tree_nodes_mean": statistics.mean(res.stats.tree_nodes) if res.stats.tree_nodes else 0})
     t.eos_token_ids, eos = frozenset(), t.eos_token_ids
-    runs, ids_of = [], {}
-    for r in range(a.rounds):
-        for k, (name, ids) in enumerate(prompts.items()):
-            s = (r * len(prompts) + k) % len(labels)
-            for label in labels[s:] + labels[:s]:
-                res = configs[label].generate(ids, SamplingConfig(), a.tokens)
-                st = res.stats
-                ids_of[(r, name, label)] = res.token_ids
-                runs.append({"round": r, "prompt": name, "config": label, "tokens": len(res.token_ids),
-                             "tokens_per_second": st.tokens_per_second, "tau": st.accepted_length_mean,
-                             "tree_nodes_mean": statistics.mean(st.tree_nodes) if st.tree_nodes else 0})
-            print(r, name, {x["config"]: (round(x["tokens_per_second"], 1), round(x["tau"], 2))
-                            for x in runs[-len(labels):]}, flush=True)
     # sampled (temperature 0.7, top-p 0.95, the bench's sampled setting): the drafter alone,
     # chain vs trees (static widths 4,2,1 under the budget), one seed per round and prompt
     sampled_cfg = SamplingConfig(temperature=0.7, top_p=0.95)
@@ -133,13 +117,7 @@ def main() -> None:
         return round(statistics.median(xs), 3)
 
     def ratio(l1, l2):
-        rs = []
-        for r in range(a.rounds):
-            for p in prompts:
-                x = next(x for x in runs if (x["round"], x["prompt"], x["config"]) == (r, p, l1))
-                y = next(y for y in runs if (y["round"], y["prompt"], y["config"]) == (r, p, l2))
-                rs.append(x["tokens_per_second"] / y["tokens_per_second"])
-        return round(statistics.median(rs), 3), round(min(rs), 3), round(max(rs), 3)
+        return paired_ratio(runs, l1, l2)
 
     def pooled_tau(label, s, rows=None):
         xs = [x for x in (rows or runs) if x["config"] == label and x["prompt"].startswith(s)]

@@ -51,7 +51,9 @@ def test_gpu_script_runs_end_to_end_on_cpu_within_the_device_limits(tmp_path):
         t.extractall(tmp_path / "unpacked", filter="data")
     card = json.loads((tmp_path / "unpacked" / "final" / "card.json").read_text())
     assert card["steps"] == 3 and card["train_config"]["soft_topk"] == 4
-    assert "soft labels: the target's top 4" in (tmp_path / "unpacked" / "final" / "README.md").read_text()
+    readme = (tmp_path / "unpacked" / "final" / "README.md").read_text()
+    assert "soft labels: the target's top 4" in readme and "None" not in readme
+    assert "not measured by this run" in readme and "dspine acceptance --target random:llama" in readme
     from dspine.draft import load_drafter
     from dspine.target import load_target
     tg = load_target("random:llama")

@@ -5,33 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.config import DSpineConfig
 from dspine.model import DSpineDrafter
 from dspine.target import load_target
-from dspine.train.loop import TrainConfig, Trainer
+from dspine.train.loop import Trainer
 from dspine.train.losses import collate, drafter_losses, sample_anchors, soft_block_targets, target_topk
+from test_train import _cfg, _seqs
+from test_train import _tc as _train_tc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _seqs(n=6, length=40, vocab=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        start, step = int(torch.randint(1, vocab, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
-        out.append(([(start + step * k) % vocab for k in range(length)], 4))
-    return out
-
-
 def _tc(**kw):
-    base = dict(steps=4, batch_size=3, anchors_per_seq=4, max_len=40, lr=3e-3, warmup=1, save_every=2,
-                vocab_subset=0, feature_dtype="float32", memo_features=True)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def _cfg(tg, mode="dspine"):
-    return DSpineConfig.for_target(tg, mode=mode, block_size=4, num_layers=1, head_topk=4, coarse_k=8)
+    return _train_tc(**{"batch_size": 3, "max_len": 40, "memo_features": True, **kw})
 
 
 def _setup(vocab_subset=None):

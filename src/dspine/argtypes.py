@@ -136,7 +136,8 @@ def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
     p.set_defaults(tree_budget_default=default_budget)
     p.add_argument("--tree-budget", type=tree_budget, default=None, metavar="N",
                    help=f"verify a draft tree of up to N nodes per cycle built from the final stage's "
-                        f"candidate tables instead of a single chain (0 = a chain; default {default_budget}); "
+                        f"candidate tables instead of a single chain (0 = a chain; default {default_budget}; "
+                        f"a copied continuation of the hybrid proposer may add its own nodes); "
                         "DSpine drafters on the dense runtime, other cycles keep chains")
     p.add_argument("--tree-shape", type=tree_shape, default="dynamic", metavar="{dynamic,W1,W2,...}",
                    help="dynamic (default: the N most probable nodes by path probability when greedy; "

@@ -106,6 +106,13 @@ def _schedule(ratio) -> str:
     return "(cosine down to 0)" if ratio == 0 else f"(cosine down to {ratio:g} x lr)"
 
 
+def _subset_text(subset, vocab) -> str:
+    """The card's vocabulary subset: ``all`` when it is off or spans the vocabulary."""
+    if not subset or (isinstance(vocab, int) and isinstance(subset, int) and subset >= vocab):
+        return "all"
+    return str(subset)
+
+
 def _card_command(cmd) -> str:
     """A card's command entry: ``"cmd"`` or ``{"cmd": ..., "note": ...}`` (note kept out of the code span)."""
     if isinstance(cmd, dict):
@@ -151,8 +158,9 @@ def write_model_card(ckpt: str | Path) -> Path:
         f"Drafter for target `{c['target']}` ({'DSpine: bridge + final stage, causal block' if cfg['bridge'] else 'DFlash-style: no bridge, no final stage, bidirectional block'}), "
         f"block size {cfg['block_size']}, {cfg['num_layers']} layers, hidden {cfg['target_hidden']}, "
         f"feature layers {cfg['feature_layers']}. Weights bf16 (`model.safetensors`), config in `config.json`.", "",
-        f"**{total} training steps in all** ({total_wall} s of training); held-out τ "
-        f"{acc.get('tau_code')} (code) / {acc.get('tau_chat')} (chat), see below.", "",
+        f"**{total} training steps in all** ({total_wall} s of training); " + (
+            f"held-out τ {acc.get('tau_code')} (code) / {acc.get('tau_chat')} (chat), see below."
+            if acc.get("tau_code") is not None else "held-out τ not measured by this run (see below)."), "",
         "## Training (last run)", "",
         f"- data: {', '.join(map(str, c.get('data') or []))} — {c.get('data_sequences')} sequences, "
         f"{c.get('data_response_tokens')} response tokens ({c.get('data_summary', _OLD_DATA_SUMMARY)}; "
@@ -162,7 +170,7 @@ def write_model_card(ckpt: str | Path) -> Path:
         f"max length {tc.get('max_len')}, lr {tc.get('lr')} "
         f"{_schedule({**Trainer.LEGACY_DEFAULTS, **tc}['min_lr_ratio'] if tc else None)}, "
         f"warmup {tc.get('warmup')}, vocab subset "
-        f"{tc.get('vocab_subset')}, bf16 autocast {tc.get('autocast_bf16')})",
+        f"{_subset_text(tc.get('vocab_subset'), cfg.get('vocab_size'))}, bf16 autocast {tc.get('autocast_bf16')})",
         *([f"- soft labels: the target's top {tc['soft_topk']} next-token probabilities, weight "
            f"{tc.get('soft_weight')} in each row's CE"] if tc.get("soft_topk") else []),
         *([f"- stopped by --time-limit {tc.get('time_limit')} s at step {c.get('steps')} of {tc.get('steps')} "
@@ -179,12 +187,18 @@ def write_model_card(ckpt: str | Path) -> Path:
         lines += [f"| {r.get('commit')} | {r.get('steps')} | {r.get('total_steps')} | {r.get('data_sequences')} | "
                   f"{r.get('data_response_tokens')} | {r.get('tau_code')} | {r.get('tau_chat')} | "
                   f"{r.get('n_prompts', '–')} |" for r in lin]
+    target_opt = "" if c["target"] == "smollm2-135m" else f"--target {c['target']} "
+    lines += ["", "## Held-out acceptance (greedy, float32, engine loop, the drafter alone, chains)", ""]
+    if acc.get("tau_code") is not None or acc.get("tau_chat") is not None:
+        lines += [
+            f"- code completion (held-out stdlib modules): tau = {acc.get('tau_code')} over {acc.get('n_code')} prompts",
+            f"- chat (held-out ShareGPT prompts): tau = {acc.get('tau_chat')} over {acc.get('n_chat')} prompts"]
+    else:
+        lines += ["- not measured by this run (`--eval-prompts 0`)"]
     lines += [
-        "", "## Held-out acceptance (greedy, float32, engine loop)", "",
-        f"- code completion (held-out stdlib modules): tau = {acc.get('tau_code')} over {acc.get('n_code')} prompts",
-        f"- chat (held-out ShareGPT prompts): tau = {acc.get('tau_chat')} over {acc.get('n_chat')} prompts",
         "", "tau counts tokens emitted per cycle, bonus/correction included (1.0 = nothing accepted).",
-        f"Measure again with `dspine acceptance --drafter <this dir> --sets code chat --n {acc.get('n_code', 16)} "
+        f"Measure {'again' if acc.get('tau_code') is not None else 'it'} with `dspine acceptance {target_opt}"
+        f"--drafter <this dir> --sets code chat --n {acc.get('n_code') or 32} "
         f"--max-new-tokens {acc.get('max_new_tokens', 64)}`.", ""]
     (ckpt / "README.md").write_text("\n".join(lines))
     return ckpt / "README.md"
