@@ -185,7 +185,9 @@ def test_generate_tree_json(capsys):
                                        "--proposer", "drafter", "--verify-policy", "fixed"))
     assert code == 0, err
     st = json.loads(out)["stats"]
-    assert st["kernels"]["draft_tree"] == "tree(budget=8, shape=dynamic)"
+    # the default --tree-size cost needs the cost policy's curve: with --verify-policy fixed it says so
+    assert st["kernels"]["draft_tree"] == ("tree(budget=8, shape=dynamic, size=fixed: --tree-size cost needs "
+                                           "--verify-policy cost)")
     assert st["tree_nodes"] and max(st["tree_nodes"]) <= 8
     code, out_ar, _ = cli(capsys, *_gen("--mode", "ar", "--json"))
     assert json.loads(out)["token_ids"] == json.loads(out_ar)["token_ids"]

@@ -10,14 +10,15 @@ import argparse
 #: ``--proposer`` values (here, free of torch, so that parsers list them without importing
 #: the proposers): the drafter alone, copies alone, or the per-cycle hybrid (dspine.proposers)
 PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
-#: draft-tree nodes per cycle of ``generate`` and ``bench`` by default (dspine.trees): the budget
-#: that was fastest with the default proposer and cost policy in benchmarks/tree_verification.json
-#: (AVX2 AMD EPYC; docs/decisions.md "Draft trees"); ``acceptance`` defaults to chains (0)
-DEFAULT_TREE_BUDGET = 8
+#: draft-tree nodes per cycle of ``generate`` and ``bench`` by default (dspine.trees), an upper
+#: bound for the per-cycle size (``--tree-size cost``): the budget that was fastest with the default
+#: proposer and cost policy in benchmarks/tree_size.json (AVX2 AMD EPYC; docs/decisions.md
+#: "Per-cycle tree size"); ``acceptance`` defaults to chains (0)
+DEFAULT_TREE_BUDGET = 16
 #: ``--tree-size``: ``fixed`` verifies every node the budget allows; ``cost`` the best-first
 #: prefix with the most expected tokens per second (dspine.trees.sizer)
 TREE_SIZES = ("fixed", "cost")
-DEFAULT_TREE_SIZE = "fixed"
+DEFAULT_TREE_SIZE = "cost"
 #: the most draft-tree nodes per cycle: one target forward holds an (N+1) x (context+N+1) mask
 #: and attention scores, and far past the final stage's useful paths a tree only costs time
 MAX_TREE_BUDGET = 256
@@ -142,7 +143,7 @@ def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
     p.add_argument("--tree-shape", type=tree_shape, default="dynamic", metavar="{dynamic,W1,W2,...}",
                    help="dynamic (default: the N most probable nodes by path probability when greedy; "
                         "widths 4,2,1 when sampling) | widths per depth, e.g. 4,2,1,1")
-    p.add_argument("--tree-size", choices=TREE_SIZES, default=DEFAULT_TREE_SIZE,
+    p.add_argument("--tree-size", choices=TREE_SIZES, default=None,
                    help=f"fixed: verify every node the budget allows | cost: verify the most probable nodes "
                         f"while they add expected tokens faster than time (greedy dynamic trees, with "
                         f"--verify-policy cost) (default {DEFAULT_TREE_SIZE})")

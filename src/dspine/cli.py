@@ -277,7 +277,7 @@ def ignored_settings(args, sampling) -> list[str]:
         notes.append(f"--tree-budget {budget} ignored: --proposer ngram copies chains (no drafter tables)")
     if budget == 0 and getattr(args, "tree_shape", "dynamic") != "dynamic":
         notes.append(f"--tree-shape {args.tree_shape} ignored: --tree-budget is 0 (a chain)")
-    if getattr(args, "tree_size", "fixed") == "cost":
+    if getattr(args, "tree_size", None) == "cost":  # given explicitly (the default applies silently)
         if budget == 0:
             notes.append("--tree-size cost ignored: --tree-budget is 0 (a chain)")
         elif getattr(args, "verify_policy", None) == "fixed":

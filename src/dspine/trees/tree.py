@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 TREE_SHAPES = ("dynamic",)  # besides comma-separated widths such as "4,2,1"
-from ..argtypes import TREE_SIZES  # noqa: E402 (--tree-size)
+from ..argtypes import DEFAULT_TREE_SIZE, TREE_SIZES  # noqa: E402 (--tree-size)
 from ..argtypes import MAX_TREE_BUDGET  # noqa: E402 (the most nodes a tree may have)
 
 
@@ -196,4 +196,4 @@ def tree_spec_from_args(args) -> TreeSpec:
     if budget is None:
         budget = getattr(args, "tree_budget_default", 0)
     return TreeSpec(budget, parse_tree_shape(getattr(args, "tree_shape", "dynamic")),
-                    size=getattr(args, "tree_size", "fixed"))
+                    size=getattr(args, "tree_size", None) or DEFAULT_TREE_SIZE)
