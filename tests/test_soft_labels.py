@@ -137,3 +137,10 @@ def test_soft_weight_without_soft_labels_is_refused_by_name(tmp_path, capsys):
                "--soft-weight", "0.3", "--threads", "1"])
     assert rc == 2 and "--soft-weight applies to soft labels only" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_vocab_subset_smaller_than_the_final_stage_candidates_is_refused(tmp_path):
+    tg = load_target("random:llama", vocab_size=256)
+    with pytest.raises(ValueError, match="--vocab-subset 3 is smaller than the final stage's 4 candidates"):
+        Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(vocab_subset=3))
+    Trainer(tg, _cfg(tg, "dflash"), _seqs(), tmp_path, _tc(vocab_subset=3))  # no final stage: fine

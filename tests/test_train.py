@@ -187,7 +187,7 @@ def test_resolve_device(monkeypatch):
         resolve_device("cuda")
     with pytest.raises(ValueError, match="--device 'tpu' is unknown"):
         resolve_device("tpu")
-    with pytest.raises(ValueError, match="not supported for training"):
+    with pytest.raises(ValueError, match="is not supported; accepted"):
         resolve_device("meta")
     with pytest.raises(ValueError, match="CUDA is not available"):
         TrainConfig(device="cuda")

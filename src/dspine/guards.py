@@ -101,7 +101,7 @@ def resolve_device(name: str = "auto") -> torch.device:
     except (RuntimeError, TypeError):
         raise ValueError(f"--device {name!r} is unknown; accepted: auto, cpu, cuda, cuda:N") from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name!r} is not supported for training; accepted: auto, cpu, cuda, cuda:N")
+        raise ValueError(f"--device {name!r} is not supported; accepted: auto, cpu, cuda, cuda:N")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")

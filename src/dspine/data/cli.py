@@ -57,7 +57,7 @@ def _cmd_info(args) -> int:
         raise ValueError(f"{args.dir} has no {MANIFEST}: not a dspine data directory")
     verify_packed(args.dir, man)  # packed shards as committed (sha256), or a clear error
     print(json.dumps({k: man.get(k) for k in ("target", "counts", "complete", "sources", "sampling",
-                                              "updated", "shards", "packed_bytes")}, indent=1))
+                                              "updated", "shards", "packed_bytes", "runs")}, indent=1))
     return 0
 
 

@@ -165,6 +165,10 @@ class Trainer:
         if tc.soft_topk and feature_store is not None:
             raise ValueError("--soft-labels needs the target's logits, which a --feature-store does not hold; "
                              "train without --feature-store or without --soft-labels")
+        if drafter_cfg.final_stage and 0 < tc.vocab_subset < min(drafter_cfg.head_topk, drafter_cfg.vocab_size):
+            raise ValueError(f"--vocab-subset {tc.vocab_subset} is smaller than the final stage's "
+                             f"{drafter_cfg.head_topk} candidates per row; use at least {drafter_cfg.head_topk} "
+                             f"or 0 (the whole vocabulary)")
         if tc.soft_topk > drafter_cfg.vocab_size:
             raise ValueError(f"--soft-labels {tc.soft_topk} exceeds the vocabulary ({drafter_cfg.vocab_size})")
         self.feature_store = feature_store  # optional FeatureStore (precomputed features)
