@@ -14,6 +14,20 @@ from dspine.data.build import encode_record
 from dspine.data.sources import heldout_prompts
 
 
+def load_smollm2_dense(linear_backend: str = "auto"):
+    """The default target in float32 on the dense runtime with ``linear_backend`` applied,
+    and the shipped DSpine drafter bound to it: (target, backend used, drafter)."""
+    from dspine.cli import DEFAULT_CHECKPOINTS
+    from dspine.draft import load_drafter
+    from dspine.runtime.packed import apply_linear_backend
+    from dspine.target import load_target
+
+    t = load_target("smollm2-135m", dtype="float32")
+    t.set_runtime("dense")
+    backend = apply_linear_backend(t, linear_backend, progress=False)
+    return t, backend, load_drafter(DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", t)
+
+
 def heldout_ids(t, per_set: int, sets=("code", "chat"), max_tokens: int = 768) -> dict[str, list[int]]:
     """``{"code0": ids, ...}``: the first ``per_set`` held-out prompts of each set (never
     trained on), encoded as the engine sees them, the last ``max_tokens`` tokens."""

@@ -22,15 +22,12 @@ from pathlib import Path
 
 import torch
 
-from side_by_side import heldout_ids, interleaved_greedy, paired_ratio
+from side_by_side import heldout_ids, interleaved_greedy, load_smollm2_dense, paired_ratio
 
-from dspine.cli import DEFAULT_CHECKPOINTS
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import make_policy
 from dspine.proposers import make_proposer
-from dspine.runtime.packed import apply_linear_backend
-from dspine.target import load_target
 from dspine.trees import TreeSpec
 from dspine.tune.machine import describe, machine_info
 
@@ -44,10 +41,7 @@ def main() -> None:
     ap.add_argument("--linear-backend", default="auto")
     ap.add_argument("--out", default="benchmarks/tree_size.json")
     a = ap.parse_args()
-    t = load_target("smollm2-135m", dtype="float32")
-    t.set_runtime("dense")
-    backend = apply_linear_backend(t, a.linear_backend, progress=False)
-    drafter = load_drafter(DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", t)
+    t, backend, drafter = load_smollm2_dense(a.linear_backend)
     load0 = os.getloadavg()[0]
 
     configs = {"ar": Engine(t, None, "ar")}

@@ -28,16 +28,13 @@ from pathlib import Path
 
 import torch
 
-from side_by_side import heldout_ids, interleaved_greedy, paired_ratio
+from side_by_side import heldout_ids, interleaved_greedy, load_smollm2_dense, paired_ratio
 
-from dspine.cli import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import make_policy
 from dspine.proposers import make_proposer
-from dspine.runtime.packed import apply_linear_backend
-from dspine.target import load_target
 from dspine.trees import DraftTree, TreeSpec
 from dspine.tune.machine import describe, machine_info
 
@@ -71,10 +68,7 @@ def main() -> None:
     ap.add_argument("--linear-backend", default="auto")
     ap.add_argument("--out", default="benchmarks/tree_verification.json")
     a = ap.parse_args()
-    t = load_target("smollm2-135m", dtype="float32")
-    t.set_runtime("dense")
-    backend = apply_linear_backend(t, a.linear_backend, progress=False)
-    drafter = load_drafter(DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", t)
+    t, backend, drafter = load_smollm2_dense(a.linear_backend)
     load0 = os.getloadavg()[0]
     cost = verify_cost(t)
     print("verification ms by width:", cost, flush=True)
