@@ -352,8 +352,7 @@ class Engine:
         ids = torch.cat([torch.tensor([req.anchor]), tree.tokens])[None].to(self.target.device)
         out = self.target.forward(ids, req.cache, self.feature_layers,
                                   tree=(tree.positions(), tree.attention_mask()))
-        if self.tree_sizer is not None:
-            verify_s = time.perf_counter() - t1
+        verify_s = time.perf_counter() - t1
         verdict = verify_tree(tree, out.logits[0], req.sampling, req.gen)
         if self.tree_sizer is not None:
             self.tree_sizer.observe(tree, verdict.path, verify_s)

@@ -481,7 +481,7 @@ class Trainer:
         while self.step < tc.steps:
             if tc.time_limit and time.perf_counter() - started >= tc.time_limit:
                 self.stopped_early = True  # rank 0's clock decides for every rank (same step count)
-            if self.world > 1:
+            if self.world > 1 and tc.time_limit:  # no collective per step without a limit
                 flag = torch.tensor([float(self.stopped_early)], device=self.device)
                 dist.broadcast(flag, 0)
                 self.stopped_early = bool(flag.item())

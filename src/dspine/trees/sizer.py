@@ -109,13 +109,10 @@ class TreeSizer:
         N = tree.size
         if tree.path_prob is None or N <= self.min_nodes:
             return N
-        best, best_rate, e = N, -1.0, 1.0
-        probs = tree.path_prob.tolist()
-        for m in range(1, N + 1):
-            e += self.accept_prob(probs[m - 1])
-            if m < self.min_nodes:
-                continue
-            rate = e / (max(draft_s, 0.0) + self.verify_cost(m + 1))
+        best, best_rate = N, -1.0
+        expected = prefix_tokens_expected(tree, self).tolist()
+        for m in range(self.min_nodes, N + 1):
+            rate = expected[m - 1] / (max(draft_s, 0.0) + self.verify_cost(m + 1))
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = m, rate
         self.chosen.append(best)
