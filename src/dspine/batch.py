@@ -284,15 +284,16 @@ class BatchEngine:
 
     # -- lifecycle -----------------------------------------------------------------------
     def add(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
-            max_new_tokens: int = 128, stop: list[str] | None = None) -> Request:
-        """Prefill a request, emit its first token and let it join the batch.
+            max_new_tokens: int = 128, stop: list[str] | None = None, tenant: str | None = None) -> Request:
+        """Prefill a request, emit its first token and let it join the batch (``tenant``:
+        its part of a cross-request output cache, :meth:`Engine.start`).
 
         A request finished by its first token (EOS, stop, max_new_tokens 1) is returned
         without joining. Raises EngineError (invalid request) or RuntimeError (no slot).
         """
         if self.free_slots <= 0:
             raise RuntimeError(f"all {self.max_running} slots are running")
-        req = self.engine.start(prompt_ids, sampling, max_new_tokens, stop)
+        req = self.engine.start(prompt_ids, sampling, max_new_tokens, stop, tenant=tenant)
         rows = req.cache.kv_rows()
         if self.batched is None:
             self.batched = rows is not None and len(rows) == self.target.num_layers \

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_int, positive_int, seed_int, thread_count
+from .argtypes import (DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_int,
+                       seed_int, thread_count)
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
@@ -51,6 +52,10 @@ def add_proposer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=positive_int, default=1,
                    help="shortest suffix match that offers a copy (tokens); the hybrid's cost policy "
                         "prices one-token matches apart from longer ones")
+    p.add_argument("--copy-bonus", type=nonneg_float, default=None, metavar="B",
+                   help="hybrid with a DSpine drafter: where a copy is on offer but the cycle drafts, fuse "
+                        "the copied tokens into the final stage's candidates, following them scoring B more "
+                        "(source 'fused'; exact); default off")
 
 
 def default_drafter_path(target: str, mode: str) -> Path | None:
@@ -64,7 +69,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                  verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
                  progress: bool = False, persist: bool = False, linear_backend: str = "aten",
                  proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto",
-                 tree=None):
+                 tree=None, ngram_cache_tokens: int = 0, copy_bonus: float | None = None):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
@@ -79,7 +84,10 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     (:mod:`dspine.runtime.select`). ``proposer``: ``drafter`` (the drafter
     alone), ``ngram`` (copies of the request's own text, no drafter) or ``hybrid`` (a
     copy where the context repeats, the drafter elsewhere; :mod:`dspine.proposers`), with
-    ``ngram_max`` / ``ngram_min`` the longest / shortest suffix match. ``tree``: a
+    ``ngram_max`` / ``ngram_min`` the longest / shortest suffix match;
+    ``ngram_cache_tokens`` > 0: a cross-request cache of earlier outputs for the copies
+    (:mod:`dspine.proposers.cache`); ``copy_bonus``: the hybrid fuses copies into the DSpine
+    final stage (:class:`dspine.proposers.HybridProposer`). ``tree``: a
     :class:`dspine.trees.TreeSpec` (draft trees of the drafter modes; None = chains). ``persist``: the cost policy starts from (and can save) the acceptance profile of
     earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
     runtime has not validated are refused
@@ -109,6 +117,14 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         raise EngineError(f"--ngram-max {ngram_max} must be in 1..{NgramIndex.MAX_NGRAM}")
     if not 1 <= ngram_min <= ngram_max:
         raise EngineError(f"--ngram-min {ngram_min} must be in 1..--ngram-max ({ngram_max})")
+    if ngram_cache_tokens < 0:
+        raise EngineError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {ngram_cache_tokens}")
+    if ngram_cache_tokens and (mode == "ar" or proposer == "drafter"):
+        raise EngineError(f"--ngram-cache-tokens needs --proposer hybrid or ngram (copies); "
+                          f"{'--mode ar' if mode == 'ar' else '--proposer drafter'} makes none")
+    if copy_bonus is not None and (mode == "ar" or proposer != "hybrid"):
+        raise EngineError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain); "
+                          f"{'--mode ar' if mode == 'ar' else '--proposer ' + proposer} has none")
     if device == "auto":  # as `dspine train --device auto`
         device = str(resolve_device("auto"))
     validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,
@@ -145,7 +161,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         validate_runtime(target, None, **guard)
         set_up_target()
         prop = make_proposer("ngram", None, block_size=16 if block_size is None else block_size,
-                             ngram_max=ngram_max, ngram_min=ngram_min)
+                             ngram_max=ngram_max, ngram_min=ngram_min, cache_tokens=ngram_cache_tokens)
         with torch.no_grad():
             policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop, progress=progress)
         return target, Engine(target, prop, mode, verify_policy=policy)
@@ -167,7 +183,8 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     set_up_target()
     with torch.no_grad():
         prop = make_proposer(proposer, DrafterProposer(model, head_kernel=head_kernel),
-                             ngram_max=ngram_max, ngram_min=ngram_min)
+                             ngram_max=ngram_max, ngram_min=ngram_min, cache_tokens=ngram_cache_tokens,
+                             copy_bonus=copy_bonus)
         policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop,
                                                                    progress=progress, persist=persist)
         return target, Engine(target, prop, mode, verify_policy=policy, tree=tree)
@@ -195,7 +212,7 @@ def cmd_generate(args) -> int:
                                   head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
                                   linear_backend=args.linear_backend, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime,
-                                  tree=_tree_spec(args))
+                                  tree=_tree_spec(args), copy_bonus=args.copy_bonus)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -252,6 +269,8 @@ def proposer_notes(args) -> list[str]:
         notes.append(f"--mode {args.mode} ignored: --proposer ngram runs no drafter")
     if prop == "drafter" and ngram_set:
         notes.append("--ngram-max / --ngram-min ignored: --proposer drafter makes no copies")
+    if getattr(args, "copy_bonus", None) is not None and prop == "hybrid" and args.mode == "dflash":
+        notes.append("--copy-bonus ignored: the DFlash-style drafter has no final stage to fuse copies into")
     return notes
 
 

@@ -220,8 +220,11 @@ class Engine:
 
     # -- request lifecycle -------------------------------------------------------------
     def start(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
-              max_new_tokens: int = 128, stop: list[str] | None = None) -> Request:
+              max_new_tokens: int = 128, stop: list[str] | None = None, tenant: str | None = None) -> Request:
         """Validate, prefill the target and the draft context, and emit the first token.
+
+        ``tenant``: whose part of a cross-request output cache the request reads and, once
+        finished, writes (:mod:`dspine.proposers.cache`; None = the default tenant).
 
         Raises:
             EngineError: empty prompt, ``max_new_tokens`` < 1, or prompt + max_new_tokens
@@ -241,6 +244,8 @@ class Engine:
         req = Request(list(prompt_ids), sampling, max_new_tokens, [s for s in (stop or []) if s],
                       make_generator(sampling.seed), self.target.new_cache(),
                       self.proposer.new_state(prompt_ids) if self.proposer else None)
+        if self.proposer is not None and hasattr(self.proposer, "set_tenant"):
+            self.proposer.set_tenant(req.draft_state, tenant)
         req.t_start = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=self.target.device)
         out = self.target.forward(ids, req.cache, self.feature_layers, logits_to_keep=1)
@@ -386,6 +391,9 @@ class Engine:
             req.anchor = req.out_ids[-1]
         if req.finished and not req.t_end:
             req.t_end = time.perf_counter()
+            finish = getattr(self.proposer, "finish", None) if self.proposer is not None else None
+            if finish is not None:  # e.g. the output joins a cross-request cache
+                finish(req.draft_state, req.prompt_ids, req.out_ids, req.finish_reason)
         return req.out_ids[start:]
 
     def _apply_stop(self, req: Request, start: int) -> None:
@@ -411,13 +419,15 @@ class Engine:
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
                  max_new_tokens: int = 128, stop: list[str] | None = None,
                  on_text: Callable[[str], None] | None = None,
-                 on_cycle: Callable[[Request], None] | None = None) -> GenerationResult:
+                 on_cycle: Callable[[Request], None] | None = None,
+                 tenant: str | None = None) -> GenerationResult:
         """Generate for one prompt until EOS, a stop string or ``max_new_tokens``.
 
         ``on_text`` receives text deltas as they become final (streaming); ``on_cycle``
-        is called with the request after every cycle (progress display).
+        is called with the request after every cycle (progress display); ``tenant`` as in
+        :meth:`start`.
         """
-        req = self.start(prompt_ids, sampling, max_new_tokens, stop)
+        req = self.start(prompt_ids, sampling, max_new_tokens, stop, tenant=tenant)
         shown = 0
         hold = max((len(s) for s in req.stop), default=1) - 1
         while True:

@@ -100,6 +100,44 @@ def conditional_tables(drafter: DSpineDrafter, h_pre: torch.Tensor, r: torch.Ten
     return torch.einsum("biud,bivd->biuv", drafter.norm_f(hu), hv).float()
 
 
+def inject_copy(cand: torch.Tensor, copy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make a copied continuation's tokens candidates (issue 20: fuse the copy into the chain).
+
+    cand [n, K] int64 candidates of rows 1..n; copy [m] int64 the copied continuation
+    (c_1 proposed for row 1, ...). For rows i < min(n, m): ``c_i`` keeps its slot when it
+    is already a candidate, else it replaces the last-ranked candidate (so the set stays
+    K distinct ids). Returns (cand' [n, K], slot [min(n, m)] int64: the column of c_i).
+    Must run *before* :func:`conditional_tables`, so row i+1's predecessor message sees
+    the injected token.
+    """
+    cand = cand.clone()
+    k = min(cand.shape[0], int(copy.shape[0]))
+    slot = torch.empty(k, dtype=torch.long)
+    for i in range(k):
+        hit = (cand[i] == copy[i]).nonzero()
+        if hit.numel():
+            slot[i] = int(hit[0, 0])
+        else:
+            cand[i, -1] = copy[i]
+            slot[i] = cand.shape[1] - 1
+    return cand, slot
+
+
+def copy_bonus(T: torch.Tensor, slot: torch.Tensor, bonus: float) -> torch.Tensor:
+    """Add ``bonus`` to the score of following the copied continuation: row 1's score of
+    ``c_1`` (every predecessor slot holds the anchor) and row i's score of ``c_i`` given
+    the predecessor ``c_{i-1}`` (T [n, K, K] float32, slot from :func:`inject_copy`).
+    Returns a new table; the chain's q is then the filtered softmax of these scores, which
+    is the distribution the chain really samples from (spec section 4), so verification
+    stays exact."""
+    T = T.clone()
+    if slot.numel():
+        T[0, :, slot[0]] += bonus
+        for i in range(1, slot.numel()):
+            T[i, slot[i - 1], slot[i]] += bonus
+    return T
+
+
 @dataclass
 class Chain:
     """Proposals of one block: tokens [n] int64; for sampling also q over candidates.

@@ -604,7 +604,8 @@ def _sources(proposer) -> list[str]:
     if proposer is None:
         return ["draft"]
     if getattr(proposer, "ngram", None) is not None and getattr(proposer, "drafter_proposer", None) is not None:
-        return [getattr(proposer.drafter_proposer, "source", "draft"), "ngram", "ngram1"]
+        return list(getattr(proposer, "sources", None) or
+                    [getattr(proposer.drafter_proposer, "source", "draft"), "ngram", "ngram1"])
     return [getattr(proposer, "source", "draft")]
 
 
@@ -633,7 +634,7 @@ def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
                 drafting = None  # copies cost only the verification
             cost = measure_cost(target, drafting, n_max=n_max, progress=progress)
         sources = _sources(proposer)
-        pols = {s: CostModelPolicy(copy_cost(cost) if s.startswith("ngram") else cost,
+        pols = {s: CostModelPolicy(copy_cost(cost) if s.startswith("ngram") or s == "cache" else cost,
                                    source=s if len(sources) > 1 else None)
                 for s in sources}
         pol = pols[sources[0]]

@@ -3,7 +3,8 @@
 - :mod:`.base`: the interface (:class:`Proposer`, :class:`Proposal`, :class:`Plan`);
 - :mod:`.drafter`: the learned DSpine and DFlash-style drafters;
 - :mod:`.ngram`: copies of the request's own earlier text (prompt lookup, no model);
-- :mod:`.hybrid`: a copy where the context repeats, the drafter elsewhere.
+- :mod:`.hybrid`: a copy where the context repeats, the drafter elsewhere;
+- :mod:`.cache`: a bounded per-tenant cache of earlier outputs the copies also read.
 
 :func:`make_proposer` builds one by its ``--proposer`` name.
 """
@@ -11,30 +12,51 @@ from __future__ import annotations
 
 from ..argtypes import PROPOSER_NAMES as PROPOSERS  # the --proposer values
 from .base import Plan, Proposal, Proposer
+from .cache import OutputCache
 from .drafter import DraftContextCache, DrafterProposer, propose_batch
 from .hybrid import HybridProposer, HybridState
 from .ngram import NgramIndex, NgramProposer
 
 
 def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngram_max: int = 4,
-                  ngram_min: int = 1) -> Proposer:
+                  ngram_min: int = 1, cache_tokens: int = 0, copy_bonus: float | None = None) -> Proposer:
     """The proposer ``name`` (see :data:`PROPOSERS`) over ``drafter`` (a
-    :class:`DrafterProposer`; unused for ``ngram``).
+    :class:`DrafterProposer`; unused for ``ngram``). ``cache_tokens`` > 0 gives the copy
+    proposer a cross-request cache of earlier outputs of that many tokens
+    (:class:`OutputCache`, ``--ngram-cache-tokens``). ``copy_bonus``: the hybrid fuses copies
+    into the DSpine final stage's chain with this score bonus (``--copy-bonus``; None = off).
 
     Raises:
-        ValueError: unknown name (naming ``--proposer``), or no drafter where one is needed.
+        ValueError: unknown name (naming ``--proposer``), no drafter where one is needed,
+            a cache with ``--proposer drafter`` (it makes no copies), or ``copy_bonus`` without
+            the hybrid.
     """
     if name not in PROPOSERS:
         raise ValueError(f"--proposer {name!r} is unknown; accepted: {', '.join(PROPOSERS)}")
+    if cache_tokens < 0:
+        raise ValueError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {cache_tokens}")
+    if cache_tokens and name == "drafter":
+        raise ValueError("--ngram-cache-tokens needs --proposer hybrid or ngram: --proposer drafter makes no copies")
+    if copy_bonus is not None and name != "hybrid":
+        raise ValueError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain), "
+                         f"not {name}")
+    cache = OutputCache(cache_tokens, ngram_max) if cache_tokens else None
     bs = drafter.block_size if drafter is not None else block_size
     if name == "ngram":
-        return NgramProposer(bs, ngram_max, ngram_min)
+        return NgramProposer(bs, ngram_max, ngram_min, cache=cache)
     if drafter is None:
         raise ValueError(f"--proposer {name} needs a drafter")
     if name == "drafter":
         return drafter
-    return HybridProposer(drafter, NgramProposer(bs, ngram_max, ngram_min))
+    return HybridProposer(drafter, NgramProposer(bs, ngram_max, ngram_min, cache=cache), fuse_bonus=copy_bonus)
+
+
+def output_cache_of(proposer) -> OutputCache | None:
+    """The cross-request output cache a proposer's copies read, or None."""
+    ngram = proposer if isinstance(proposer, NgramProposer) else getattr(proposer, "ngram", None)
+    return getattr(ngram, "cache", None)
 
 
 __all__ = ["PROPOSERS", "DraftContextCache", "DrafterProposer", "HybridProposer", "HybridState",
-           "NgramIndex", "NgramProposer", "Plan", "Proposal", "Proposer", "make_proposer", "propose_batch"]
+           "NgramIndex", "NgramProposer", "OutputCache", "Plan", "Proposal", "Proposer", "make_proposer", "output_cache_of",
+           "propose_batch"]

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..config import SamplingConfig
-from ..final_stage import candidates, chain, conditional_tables, parallel_argmax
+from ..final_stage import candidates, chain, conditional_tables, copy_bonus, inject_copy, parallel_argmax
 from ..model import DSpineDrafter
 from ..sampling import filter_probs, sample_index, uniform
 from .base import Proposal, Proposer
@@ -158,7 +158,10 @@ class DrafterProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, state: DraftContextCache, anchor: int, anchor_pos: int, n: int,
-                sampling: SamplingConfig, gen) -> Proposal:
+                sampling: SamplingConfig, gen, copy: list[int] | None = None, bonus: float = 0.0) -> Proposal:
+        """``copy``: a copied continuation fused into the final stage (DSpine only; ignored
+        without one): its tokens join the candidates of rows 1.. and following it scores
+        ``bonus`` more (:func:`~dspine.final_stage.inject_copy`, :func:`~dspine.final_stage.copy_bonus`)."""
         d = self.drafter
         t0 = time.perf_counter()
         dev = d.fc.weight.device
@@ -172,7 +175,7 @@ class DrafterProposer(Proposer):
         if n == 0:
             return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)
         if self.cfg.final_stage:
-            cand, T = self._tables(out, a, n)  # [n, K], [n, K, K]
+            cand, T = self._tables(out, a, n, copy, bonus)  # [n, K], [n, K, K]
             ch = chain(T, cand, n, sampling, gen)
             t2 = time.perf_counter()
             return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
@@ -181,14 +184,21 @@ class DrafterProposer(Proposer):
             return Proposal(toks.cpu(), draft_s=time.perf_counter() - t0)
         return dense_proposal(d.logits(out.h[0, 0, 1:n + 1]).float(), sampling, gen, t0)
 
-    def _tables(self, out, a: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, out, a: torch.Tensor, n: int, copy: list[int] | None = None,
+                bonus: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The final stage's candidates cand [n, K] int64 and conditional tables T [n, K, K]
-        float32 of one block (``out``: the drafter's forward, ``a`` [1, 1] the anchor)."""
+        float32 of one block (``out``: the drafter's forward, ``a`` [1, 1] the anchor),
+        with ``copy`` fused in when given (see :meth:`propose`)."""
         d = self.drafter
         x = d.norm_f(out.h[0, 0, 1:n + 1])  # [n, d]
         cand = candidates(d, x, self.cfg.head_topk, self.cfg.coarse_k, self.qhead)  # [n, K]
+        slot = None
+        if copy:
+            cand, slot = inject_copy(cand, torch.tensor(copy, dtype=torch.long, device=cand.device))
         T = conditional_tables(d, out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1],
                                a[:, 0], cand[None])[0]  # [n, K, K]
+        if slot is not None and bonus:
+            T = copy_bonus(T, slot, bonus)
         return cand, T
 
     @property
@@ -233,10 +243,12 @@ class DrafterProposer(Proposer):
 
     def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:
         """One drafter forward for all requests (:func:`propose_batch`) once every
-        request's draft context holds positions; else one by one."""
+        request's draft context holds positions; else one by one. A request may carry
+        ``copy`` / ``bonus`` (the hybrid's fused copies, :meth:`propose`)."""
         if len(reqs) > 1 and all(r.draft_state.pos is not None for r in reqs):
             return propose_batch(self, reqs, positions, ns)
-        return super().propose_many(reqs, positions, ns)
+        return [self.propose(r.draft_state, r.anchor, p, n, r.sampling, r.gen, copy=getattr(r, "copy", None),
+                             bonus=getattr(r, "bonus", 0.0)) for r, p, n in zip(reqs, positions, ns)]
 
 
 
@@ -295,8 +307,17 @@ def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: l
         x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
         cand = candidates(d, x.reshape(b * nmax, -1), cfg.head_topk, cfg.coarse_k, prop.qhead)
         cand = cand.reshape(b, nmax, -1)  # [b, nmax, K]
+        slots = [None] * b
+        for j, r in enumerate(reqs):  # copies fused into the final stage (hybrid, --copy-bonus)
+            c = getattr(r, "copy", None)
+            if c:
+                cj, slots[j] = inject_copy(cand[j], torch.tensor(c, dtype=torch.long, device=cand.device))
+                cand[j] = cj
         T = conditional_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
                                a[:, 0], cand)  # [b, nmax, K, K]
+        for j, r in enumerate(reqs):
+            if slots[j] is not None and getattr(r, "bonus", 0.0):
+                T[j] = copy_bonus(T[j], slots[j], r.bonus)
         t2 = time.perf_counter()
         shared = (t2 - t1) / b
         for j, r in enumerate(reqs):

@@ -24,7 +24,9 @@ import torch
 
 from ..config import SamplingConfig
 from .base import Plan, Proposal, Proposer
-from .ngram import NgramIndex, NgramProposer
+from .ngram import CACHE_SOURCE, NgramIndex, NgramProposer
+
+FUSED_SOURCE = "fused"  # the drafter's chain with the copied continuation fused into its final stage
 
 
 class HybridState:
@@ -50,15 +52,28 @@ class HybridProposer(Proposer):
             offers a copy.
         strong_match: copies with a match of at least this many tokens are source
             ``ngram``, shorter ones ``ngram1`` (priced apart by the cost policy).
+        fuse_bonus: when set (``--copy-bonus``) and the drafter has a final stage, a cycle
+            that drafts while a copy is on offer becomes source ``fused``: the copied
+            continuation joins the candidates of each row and following it scores
+            ``fuse_bonus`` more in the conditional tables, so the serial chain can take the
+            copy where the drafter agrees or hesitates (q is the chain's own distribution
+            over the fused tables: exact). Trees keep the copy as a grafted branch instead.
+    Raises:
+        ValueError: ``fuse_bonus`` negative or not finite (naming ``--copy-bonus``).
     """
 
     needs_features = True
     offers_alternatives = True
 
-    def __init__(self, drafter: Proposer, ngram: NgramProposer | None = None, strong_match: int = 2):
+    def __init__(self, drafter: Proposer, ngram: NgramProposer | None = None, strong_match: int = 2,
+                 fuse_bonus: float | None = None):
         self.drafter_proposer = drafter
         self.ngram = ngram or NgramProposer(drafter.block_size)
         self.strong_match = strong_match
+        if fuse_bonus is not None and not (fuse_bonus >= 0 and fuse_bonus < float("inf")):
+            raise ValueError(f"--copy-bonus must be a finite number >= 0, got {fuse_bonus}")
+        # fuse copies into the final stage's chain (source ``fused``) where the drafter has one
+        self.fuse_bonus = fuse_bonus if getattr(getattr(drafter, "cfg", None), "final_stage", False) else None
         self.block_size = drafter.block_size
         self.feature_layers = list(getattr(drafter, "feature_layers", []) or [])
         self.needs_features = getattr(drafter, "needs_features", True)
@@ -86,18 +101,42 @@ class HybridProposer(Proposer):
         self.drafter_proposer.observe(state.draft, tokens, start_pos)
         self.ngram.observe(state.index, tokens, start_pos)
 
-    def copy_source(self, match: int) -> str:
-        """The source name of a copy with a suffix match of ``match`` tokens: ``ngram`` for
-        ``match >= strong_match``, ``ngram1`` below (kept apart: a one-token match is right
-        far less often, and the cost policy prices each source by its own record)."""
+    def set_tenant(self, state: HybridState, tenant: str | None) -> None:
+        """The request's tenant for the cross-request cache (:meth:`NgramProposer.set_tenant`)."""
+        self.ngram.set_tenant(state.index, tenant)
+
+    def finish(self, state: HybridState, prompt_ids: list[int], out_ids: list[int], reason: str | None) -> None:
+        """A request finished: its output joins the cache (:meth:`NgramProposer.finish`)."""
+        if state is not None:
+            self.ngram.finish(state.index, prompt_ids, out_ids, reason)
+
+    @property
+    def sources(self) -> list[str]:
+        """Every source this proposer may plan, the drafter's first (the cost policy keeps
+        one policy per source)."""
+        copies = ["ngram", "ngram1"] + ([CACHE_SOURCE] if self.ngram.cache is not None else [])
+        fused = [FUSED_SOURCE] if self.fuse_bonus is not None else []
+        return [getattr(self.drafter_proposer, "source", "draft")] + copies + fused
+
+    def copy_source(self, match: int, origin: str = "own") -> str:
+        """The source name of a copy with a suffix match of ``match`` tokens: ``cache`` for a
+        copy from the cross-request cache, else ``ngram`` for ``match >= strong_match``,
+        ``ngram1`` below (kept apart: a one-token match is right far less often, and the
+        cost policy prices each source by its own record)."""
+        if origin == "cache":
+            return CACHE_SOURCE
         return "ngram" if match >= self.strong_match else "ngram1"
 
     def alternatives(self, state: HybridState, anchor: int, n_max: int) -> list[Plan]:
-        """The sources available this cycle: the copy (when the context's suffix matched)
-        first, then the drafter."""
-        k, cont = state.index.lookup(anchor, n_max, self.ngram.min_match)
-        out = [Plan(self.copy_source(k), len(cont), k)] if cont else []
-        return out + [self.drafter_proposer.plan(state.draft, anchor, n_max)]
+        """The sources available this cycle: the copy (when the context's suffix matched
+        the request's own text or, longer, the tenant's earlier outputs) first, then the
+        drafter."""
+        k, cont, origin = state.index.lookup_any(anchor, n_max, self.ngram.min_match)
+        out = [Plan(self.copy_source(k, origin), len(cont), k)] if cont else []
+        drafting = self.drafter_proposer.plan(state.draft, anchor, n_max)
+        if cont and self.fuse_bonus is not None:  # the drafter's chain with the copy fused in
+            drafting = Plan(FUSED_SOURCE, drafting.max_n, k)
+        return out + [drafting]
 
     def plan(self, state: HybridState, anchor: int, n_max: int, pick=None) -> Plan:
         """``pick``'s choice among the alternatives; without ``pick`` (no cost policy) a copy
@@ -122,6 +161,12 @@ class HybridProposer(Proposer):
         """Propose ``n`` tokens from the source :meth:`plan` chose for this context."""
         src = self._source(state, anchor, n)
         state.chosen = None
+        if src == FUSED_SOURCE:
+            _, cont, _ = state.index.lookup_any(anchor, n, self.ngram.min_match)
+            p = self.drafter_proposer.propose(state.draft, anchor, anchor_pos, n, sampling, gen,
+                                              copy=cont, bonus=self.fuse_bonus)
+            p.source = src
+            return p
         if src != self.drafter_proposer.source:
             p = self.ngram.propose(state.index, anchor, anchor_pos, n, sampling, gen)
             p.source = src
@@ -137,14 +182,15 @@ class HybridProposer(Proposer):
         (:func:`dspine.trees.build.graft`: merged into matching nodes when greedy, a separate
         point-mass branch when sampling); None (a chain, :meth:`propose`) when it copies.
         The copy reads only the committed context and the anchor, so its q is exact."""
-        if self._source(state, anchor, depth) != self.drafter_proposer.source:
+        src = self._source(state, anchor, depth)
+        if src not in (self.drafter_proposer.source, FUSED_SOURCE):
             return None
         p = self.drafter_proposer.propose_tree(state.draft, anchor, anchor_pos, depth, spec, sampling, gen, trim)
         if p is None:
             return None
         state.chosen = None
-        p.source = p.source or self.drafter_proposer.source
-        k, cont = state.index.lookup(anchor, depth, self.ngram.min_match)
+        p.source = src
+        k, cont, _ = state.index.lookup_any(anchor, depth, self.ngram.min_match)
         if cont and k >= self.strong_match:  # the copied continuation joins the tree as one more branch
             from ..trees.build import graft
 
@@ -157,19 +203,27 @@ class HybridProposer(Proposer):
         """Copies one by one; the drafter's requests together (one drafter forward)."""
         out: list[Proposal | None] = [None] * len(reqs)
         draft_idx = []
+        srcs = {}
         for j, (r, p, n) in enumerate(zip(reqs, positions, ns)):
-            if self._source(r.draft_state, r.anchor, n) != self.drafter_proposer.source:
+            src = self._source(r.draft_state, r.anchor, n)
+            if src not in (self.drafter_proposer.source, FUSED_SOURCE):
                 out[j] = self.propose(r.draft_state, r.anchor, p, n, r.sampling, r.gen)
             else:
                 r.draft_state.chosen = None
                 draft_idx.append(j)
+                srcs[j] = src
         if draft_idx:
-            shim = [SimpleNamespace(draft_state=reqs[j].draft_state.draft, anchor=reqs[j].anchor,
-                                    sampling=reqs[j].sampling, gen=reqs[j].gen) for j in draft_idx]
+            shim = []
+            for j in draft_idx:
+                r, copy = reqs[j], None
+                if srcs[j] == FUSED_SOURCE:
+                    _, copy, _ = r.draft_state.index.lookup_any(r.anchor, ns[j], self.ngram.min_match)
+                shim.append(SimpleNamespace(draft_state=r.draft_state.draft, anchor=r.anchor, sampling=r.sampling,
+                                            gen=r.gen, copy=copy, bonus=self.fuse_bonus or 0.0))
             got = self.drafter_proposer.propose_many(shim, [positions[j] for j in draft_idx],
                                                      [ns[j] for j in draft_idx])
             for j, p in zip(draft_idx, got):
-                p.source = p.source or self.drafter_proposer.source
+                p.source = srcs[j]
                 out[j] = p
         return out
 

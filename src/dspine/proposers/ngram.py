@@ -28,6 +28,9 @@ import torch
 
 from ..config import SamplingConfig
 from .base import Plan, Proposal, Proposer
+from .cache import CacheView, OutputCache
+
+CACHE_SOURCE = "cache"  # the source name of copies from the cross-request cache (.cache)
 
 
 class NgramIndex:
@@ -38,6 +41,8 @@ class NgramIndex:
         last: n-gram (tuple, 1..max_ngram tokens) -> index in ``tokens`` where the
             continuation after its most recent occurrence starts.
         count: n-gram -> occurrences with a known continuation.
+        shared: the request's view of the cross-request cache of earlier outputs
+            (:class:`.cache.CacheView`), or None.
     """
 
     MAX_NGRAM = 16  # longer matches change nothing measurable (benchmarks/ngram_tuning.json); memory ~ max x context
@@ -49,6 +54,7 @@ class NgramIndex:
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}
         self.count: dict[tuple[int, ...], int] = {}
+        self.shared: CacheView | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -96,6 +102,19 @@ class NgramIndex:
             return k, cont[:n]
         return 0, []
 
+    def lookup_any(self, anchor: int, n: int, min_match: int = 1) -> tuple[int, list[int], str]:
+        """:meth:`lookup` in the request's own text and, when a cross-request cache is
+        attached (``shared``), in the tenant's earlier outputs; the cache's continuation
+        is taken only when its match is strictly longer. Returns (match length,
+        continuation, origin ``"own"`` or ``"cache"``)."""
+        k, cont = self.lookup(anchor, n, min_match)
+        if self.shared is not None:
+            tail = self.tokens[len(self.tokens) - self.max_ngram + 1:] if self.max_ngram > 1 else []
+            kc, cc = self.shared.lookup(tail + [int(anchor)], n)
+            if kc > k:
+                return kc, cc, "cache"
+        return k, cont, "own"
+
 
 def point_mass(tokens: list[int], t0: float, source: str) -> Proposal:
     """Proposal of deterministic ``tokens`` with q = delta (q_ids [n, 1], q_probs [n, 1] ones)."""
@@ -112,6 +131,10 @@ class NgramProposer(Proposer):
         max_ngram: longest suffix matched (``--ngram-max``).
         min_match: shortest suffix match that proposes (``--ngram-min``); shorter
             matches give a plain target step.
+        cache: an optional cross-request cache of earlier outputs
+            (:class:`.cache.OutputCache`, ``--ngram-cache-tokens``): requests are attached
+            to their tenant's part by :meth:`set_tenant` and add their output by
+            :meth:`finish`; its copies are source ``cache``.
     Raises:
         ValueError: a setting out of range (naming it).
     """
@@ -120,7 +143,8 @@ class NgramProposer(Proposer):
     feature_layers: list[int] = []
     source = "ngram"
 
-    def __init__(self, block_size: int = 16, max_ngram: int = 4, min_match: int = 1):
+    def __init__(self, block_size: int = 16, max_ngram: int = 4, min_match: int = 1,
+                 cache: OutputCache | None = None):
         if not 2 <= block_size <= 64:
             raise ValueError(f"--block-size {block_size} must be in 2..64 for the n-gram proposer "
                              f"(at most block size - 1 copied tokens per cycle)")
@@ -128,24 +152,47 @@ class NgramProposer(Proposer):
             raise ValueError(f"--ngram-max {max_ngram} must be in 1..{NgramIndex.MAX_NGRAM}")
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"--ngram-min {min_match} must be in 1..--ngram-max ({max_ngram})")
+        if cache is not None and cache.max_ngram != max_ngram:
+            raise ValueError(f"the output cache indexes {cache.max_ngram}-grams but --ngram-max is {max_ngram}")
         self.block_size, self.max_ngram, self.min_match = block_size, max_ngram, min_match
+        self.cache = cache
 
     def new_state(self, prompt_ids: list[int]) -> NgramIndex:
         return NgramIndex(self.max_ngram)
+
+    def set_tenant(self, state: NgramIndex, tenant: str | None) -> None:
+        """Attach the request to ``tenant``'s part of the cross-request cache (no-op
+        without a cache). ``None`` is the default tenant ``""``."""
+        if self.cache is not None:
+            state.shared = CacheView(self.cache, tenant or "")
+
+    def finish(self, state: NgramIndex, prompt_ids: list[int], out_ids: list[int], reason: str | None) -> None:
+        """A request finished: store its prompt's last ``max_ngram`` tokens and its output
+        in its tenant's part of the cache (only when it ended by EOS / stop / length)."""
+        if self.cache is not None and state is not None and state.shared is not None \
+                and reason in ("stop", "length") and out_ids:
+            self.cache.add(state.shared.tenant, list(prompt_ids[-self.max_ngram:]) + list(out_ids))
+
+    def copy_source(self, origin: str) -> str:
+        """This proposer's source name for a copy from ``origin`` (``own`` / ``cache``)."""
+        return CACHE_SOURCE if origin == "cache" else self.source
 
     def observe(self, state: NgramIndex, tokens: list[int], start_pos: int) -> None:
         state.observe(tokens, start_pos)
 
     def plan(self, state: NgramIndex, anchor: int, n_max: int, pick=None) -> Plan:
-        k, cont = state.lookup(anchor, n_max, self.min_match)
-        return Plan(self.source, len(cont), k)
+        k, cont, origin = state.lookup_any(anchor, n_max, self.min_match)
+        return Plan(self.copy_source(origin), len(cont), k)
 
     def propose(self, state: NgramIndex, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,
                 gen: torch.Generator | None) -> Proposal:
         """Copy up to ``n`` tokens (fewer when the match's continuation is shorter)."""
         t0 = time.perf_counter()
-        _, cont = state.lookup(anchor, n, self.min_match)
-        return point_mass(cont, t0, self.source)
+        _, cont, origin = state.lookup_any(anchor, n, self.min_match)
+        return point_mass(cont, t0, self.copy_source(origin))
 
     def kernel_info(self) -> dict:
-        return {"proposer": "ngram", "ngram": {"max": self.max_ngram, "min_match": self.min_match}}
+        info = {"proposer": "ngram", "ngram": {"max": self.max_ngram, "min_match": self.min_match}}
+        if self.cache is not None:
+            info["ngram"]["cache"] = {"max_tokens": self.cache.max_tokens, "min_match": self.cache.min_match}
+        return info

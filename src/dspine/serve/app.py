@@ -13,6 +13,7 @@ waiting queue is full; 503 while shutting down.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 import time
@@ -26,6 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..batch import BatchEngine
 from ..config import ConfigError, SamplingConfig
+from ..proposers import output_cache_of
+from ..proposers.cache import SCOPES
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, field_of
 from .scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
@@ -45,13 +48,39 @@ def encode_chat(target, messages: list[dict]) -> list[int]:
     return [int(i) for i in ids]
 
 
+def tenant_of(request: Request, scope: str) -> str:
+    """The tenant of an HTTP request for the cross-request output cache
+    (:mod:`dspine.proposers.cache`): with scope ``key``, a digest of its
+    ``Authorization`` header (requests without one are the tenant ``anonymous``), so one
+    API key never receives copies of another's outputs; with ``global``, every request is
+    the same tenant (share only when all clients may see each other's outputs).
+
+    Raises:
+        ValueError: an unknown scope (naming ``--ngram-cache-scope``).
+    """
+    if scope == "global":
+        return ""
+    if scope != "key":
+        raise ValueError(f"--ngram-cache-scope {scope!r} is unknown; accepted: key, global")
+    auth = request.headers.get("authorization")
+    return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:24] if auth else "anonymous"
+
+
 def create_app(batch: BatchEngine, model_name: str, max_queue: int = 64, info: dict | None = None,
-               scheduler: Scheduler | None = None) -> FastAPI:
+               scheduler: Scheduler | None = None, cache_scope: str = "key") -> FastAPI:
     """Build the app. The scheduler thread starts with the app's lifespan and stops with it
     (running and waiting requests are cancelled then, their state freed).
 
     ``info``: extra fields shown by ``/v1/models`` and ``/health`` (mode, drafter, dtype).
+    ``cache_scope``: who shares the proposer's cross-request output cache, if it has one
+    (:func:`tenant_of`; ``/health`` shows the cache's counters under ``ngram_cache``).
+
+    Raises:
+        ValueError: an unknown ``cache_scope``.
     """
+    if cache_scope not in SCOPES:
+        raise ValueError(f"--ngram-cache-scope {cache_scope!r} is unknown; accepted: {', '.join(SCOPES)}")
+    out_cache = output_cache_of(batch.engine.proposer)
     metrics = Metrics()
     sched = scheduler or Scheduler(batch, max_queue=max_queue, metrics=metrics)
     metrics = sched.metrics
@@ -118,6 +147,8 @@ def create_app(batch: BatchEngine, model_name: str, max_queue: int = 64, info: d
     async def health():
         c = sched.counters()
         status = "stopping" if sched._closed else "ok"
+        if out_cache is not None:
+            c = {**c, "ngram_cache": {"scope": cache_scope, **out_cache.stats()}}
         return JSONResponse({"status": status, "model": model_name, **info, **c},
                             status_code=200 if status == "ok" else 503)
 
@@ -246,7 +277,8 @@ def create_app(batch: BatchEngine, model_name: str, max_queue: int = 64, info: d
         max_tokens = _limits(prompt_ids, body.max_tokens, default_max)
         sampling = _sampling(body)
         job = Job(prompt_ids, sampling, max_tokens, list(body.stop or []), asyncio.get_running_loop(),
-                  endpoint="chat" if chat else "completions")
+                  endpoint="chat" if chat else "completions",
+                  tenant=tenant_of(request, cache_scope) if out_cache is not None else None)
         _submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if body.stream:

@@ -46,14 +46,17 @@ def cmd_serve(args) -> int:
                                   args.seed, args.device, verify_policy=args.verify_policy,
                                   concurrency=args.max_running, head_kernel=args.head_kernel, progress=True,
                                   persist=True, linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
-                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                                  ngram_cache_tokens=args.ngram_cache_tokens, copy_bonus=args.copy_bonus)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
     policy = args.verify_policy if args.mode != "ar" else "-"
     info = {"mode": args.mode, "target": args.target, "drafter": drafter, "dtype": args.dtype,
             "verify_policy": policy, "proposer": args.proposer if args.mode != "ar" else "-"}
-    app = create_app(batch, name, args.max_queue, info)
+    if args.ngram_cache_tokens:
+        info["ngram_cache"] = f"{args.ngram_cache_tokens} tokens, scope {args.ngram_cache_scope}"
+    app = create_app(batch, name, args.max_queue, info, cache_scope=args.ngram_cache_scope)
     port = sock.getsockname()[1]
     print(f"dspine serve: listening on http://{args.host}:{port}", flush=True)
     print(f"dspine serve: model '{name}' = target {args.target} ({target.num_layers} layers, vocab "
@@ -108,6 +111,14 @@ def add_serve_parser(sub) -> None:
 
     add_target_runtime_args(p)
     add_proposer_args(p)
+    p.add_argument("--ngram-cache-tokens", type=nonneg_int, default=0,
+                   help="copies may also come from earlier requests' outputs: keep up to N tokens of "
+                        "them (all tenants together, oldest dropped first; ~0.6 KB per token; default 0 = "
+                        "off; needs --proposer hybrid or ngram)")
+    p.add_argument("--ngram-cache-scope", default="key", choices=["key", "global"],
+                   help="who shares those outputs: key (the default: requests with the same "
+                        "Authorization header; requests without one share the tenant 'anonymous') | "
+                        "global (every request: only when all clients may see each other's outputs)")
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
                         "int8 | bfloat16 | exact")

@@ -60,6 +60,7 @@ class Job:
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     endpoint: str = "completions"
+    tenant: str | None = None  # its part of a cross-request output cache (app.tenant_of)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
@@ -208,7 +209,7 @@ class Scheduler:
             self._finish(job, cancelled=True)
             return
         try:
-            req = self.batch.add(job.prompt_ids, job.sampling, job.max_tokens, job.stop)
+            req = self.batch.add(job.prompt_ids, job.sampling, job.max_tokens, job.stop, tenant=job.tenant)
         except EngineError as e:
             self._error(job, 400, str(e))
             return

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import PROPOSER_NAMES, add_tree_args, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
+from ..argtypes import PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
-                       progress: bool = False, proposer: str = "drafter", tree=None) -> dict:
+                       progress: bool = False, proposer: str = "drafter", tree=None,
+                       copy_bonus: float | None = None) -> dict:
     """Held-out mean acceptance length tau per prompt set, by the engine loop (greedy).
 
     ``proposer``: ``drafter`` (the drafter alone, the default: what training improves),
@@ -28,6 +29,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     result also holds ``sources_<set>`` (cycles, proposals, accepted per source).
     ``tree``: a :class:`dspine.trees.TreeSpec` to verify draft trees (the target must run the
     dense runtime); the result then also holds ``tree_nodes_<set>``, the mean nodes per cycle.
+    ``copy_bonus``: the hybrid fuses copies into the final stage (``--copy-bonus``).
 
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
     "n_<set>": prompts}``. Prompts come from :func:`dspine.data.sources.heldout_prompts`
@@ -41,7 +43,8 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
 
     was_training = drafter.training
     drafter.eval()
-    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter)), drafter.cfg.mode, tree=tree)
+    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter), copy_bonus=copy_bonus),
+                 drafter.cfg.mode, tree=tree)
     res = {}
     for s in sets:
         prompts = heldout_prompts(s, n)
@@ -416,7 +419,7 @@ def cmd_acceptance(args) -> int:
     spec = tree_spec_from_args(args)
     apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
-                             progress=True, proposer=args.proposer, tree=spec)
+                             progress=True, proposer=args.proposer, tree=spec, copy_bonus=args.copy_bonus)
     print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer, **res}))
     return 0
 
@@ -505,5 +508,7 @@ def add_train_parser(sub) -> None:
     a.add_argument("--proposer", default="drafter", choices=list(PROPOSER_NAMES),
                    help="drafter (the default here: the drafter's own tau) | ngram (copies of the request's "
                         "own text) | hybrid (copies where the context repeats, the drafter elsewhere)")
+    a.add_argument("--copy-bonus", type=nonneg_float, default=None, metavar="B",
+                   help="with --proposer hybrid: fuse copies into the DSpine final stage's chain (score bonus B)")
     add_tree_args(a)
     a.set_defaults(func=cmd_acceptance)
