@@ -165,7 +165,10 @@ def drafters(tiny):
 
 # -- the runtime reproduces the target distribution -------------------------------------------
 
-DEFAULT = [("dspine", s) for s in SETTINGS] + [("dflash", "t1.0")]
+# the default suite keeps plain temperature and min-p for DSpine and temperature for DFlash-style;
+# top-k / top-p run in the slow variant below (with more samples) and top-p also in
+# test_policy / test_trees / test_proposers (SAMPLING = top_p 0.95): suite time
+DEFAULT = [("dspine", "t1.0"), ("dspine", "minp0.2"), ("dflash", "t1.0")]
 SLOW = [(m, s) for m in ("dspine", "dflash") for s in SETTINGS]
 
 

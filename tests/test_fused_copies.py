@@ -67,14 +67,14 @@ def test_greedy_fused_equals_ar_single_and_batched(smol, shipped_dspine):
     smol.eos_token_ids = frozenset()
     try:
         eng = Engine(smol, make_proposer("hybrid", DrafterProposer(shipped_dspine), copy_bonus=4.0), "dspine")
-        single = [eng.generate(ids, SamplingConfig(), 32) for ids in prompts]
+        single = [eng.generate(ids, SamplingConfig(), 24) for ids in prompts]
         be = BatchEngine(Engine(smol, make_proposer("hybrid", DrafterProposer(shipped_dspine), copy_bonus=4.0),
                                 "dspine"), max_running=2)
-        batched = be.generate_many(prompts, SamplingConfig(), 32)
+        batched = be.generate_many(prompts, SamplingConfig(), 24)
     finally:
         smol.eos_token_ids = saved
     for ids, r, b in zip(prompts, single, batched):
-        ref = ar_continuation(smol, ids, 32)
+        ref = ar_continuation(smol, ids, 24)
         assert r.token_ids == ref and b.token_ids == ref
     used = collections.Counter()
     for r in single + batched:

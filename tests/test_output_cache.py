@@ -81,6 +81,20 @@ def test_tenants_are_isolated_and_the_bound_holds():
     assert c.lookup("B", [5000, 5001], 2) == (0, [])
 
 
+def test_memory_bound_holds_and_is_reported():
+    from dspine.memory import drafter_config, estimate
+    from dspine.proposers.cache import bytes_bound
+
+    rng = random.Random(5)
+    c = OutputCache(5000, 4)
+    for _ in range(20):
+        c.add("t", [rng.randrange(300) for _ in range(400)])  # repetitive: many shared n-grams
+        c.add("u", [rng.randrange(50_000) for _ in range(400)])  # mostly unique n-grams
+        assert c.stats()["tokens"] <= 5000 and c.nbytes() <= bytes_bound(5000, 4)
+    rep = estimate(drafter_config("small"), None, ngram_cache_tokens=5000)
+    assert rep["ngram_cache"] == bytes_bound(5000, 4) and rep.total("dspine") >= bytes_bound(5000, 4)
+
+
 def test_settings_refused():
     with pytest.raises(ValueError, match="--ngram-cache-tokens"):
         OutputCache(0)
@@ -105,7 +119,7 @@ def test_build_engine_refuses_cache_without_copies():
 
 
 # -- greedy equality on the real target --------------------------------------------------------------
-M_REAL = 40
+M_REAL = 24
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,8 @@ def shipped_dspine(smol):
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 
 
-@pytest.mark.parametrize("name,policy", [("ngram", "fixed"), ("ngram", "cost"), ("hybrid", "cost"),  # cost: the default
+@pytest.mark.parametrize("name,policy", [pytest.param("ngram", "fixed", marks=pytest.mark.slow), ("ngram", "cost"),
+                                         ("hybrid", "cost"),  # cost: the default
                                          pytest.param("hybrid", "fixed", marks=pytest.mark.slow)])
 def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):
     prop = make_proposer(name, DrafterProposer(shipped_dspine))

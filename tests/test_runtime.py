@@ -150,8 +150,10 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences why the sky is blue."]
 
 
-@pytest.mark.parametrize("mode,backend,runtime", [  # the default here (mixed, dense) stays in the default suite
-    pytest.param("dspine", "onednn", "hf", marks=pytest.mark.slow), ("dflash", "mixed", "dense"),
+@pytest.mark.parametrize("mode,backend,runtime", [  # all slow: the default (mixed, dense) runs in the default
+    # suite through test_dense_runtime / test_shipped_drafters / test_proposers (suite time)
+    pytest.param("dspine", "onednn", "hf", marks=pytest.mark.slow),
+    pytest.param("dflash", "mixed", "dense", marks=pytest.mark.slow),
     pytest.param("dspine", "transposed", "dense", marks=pytest.mark.slow)])
 def test_greedy_equal_to_ar_with_packed_real_target(smol, mode, backend, runtime):
     """float32, the shipped drafter, fixed full blocks and the cost policy: token for token,

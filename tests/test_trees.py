@@ -365,7 +365,9 @@ def smol_dense(smol):
     smol.set_runtime(prev)
 
 
-@pytest.mark.parametrize("spec", [TreeSpec(32), pytest.param(TreeSpec(44, (4, 2, 1, 1, 1, 1)), marks=pytest.mark.slow)],
+# slow (suite time): the default tree (sized per cycle, budget 16) is checked against ar on the real
+# target by test_tree_sizer
+@pytest.mark.parametrize("spec", [pytest.param(TreeSpec(32), marks=pytest.mark.slow), pytest.param(TreeSpec(44, (4, 2, 1, 1, 1, 1)), marks=pytest.mark.slow)],
                          ids=lambda s: s.describe() if isinstance(s, TreeSpec) else None)
 def test_tree_greedy_equals_ar_real_target_shipped_drafter(smol_dense, spec):
     ids = smol_dense.encode_prompt("Write a Python function that reverses a string.", chat=True)

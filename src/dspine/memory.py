@@ -287,7 +287,8 @@ class MemoryReport:
 
 def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
              dtype: str = "bfloat16", target_dtype: str | None = None,
-             profile: str = "", head_kernels: tuple[str, ...] = ("int8",), tree_budget: int = 0) -> MemoryReport:
+             profile: str = "", head_kernels: tuple[str, ...] = ("int8",), tree_budget: int = 0,
+             ngram_cache_tokens: int = 0, ngram_max: int = 4) -> MemoryReport:
     """Footprint of drafter ``cfg`` (+ ``target``) in ``dtype``.
 
     ``head_kernels``: the candidate-pass kernels a run keeps (:mod:`dspine.tune.head`;
@@ -378,6 +379,13 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
         if spec.state_fp32 or spec.conv_state:
             rows.append(Row("target_state", "target recurrent state (float32) + conv state",
                             spec.state_fp32 * 4 + spec.conv_state * ts, scope="request"))
+    if ngram_cache_tokens > 0:  # serve --ngram-cache-tokens: shared by all requests (all tenants)
+        from .proposers.cache import BYTES_PER_SLOT, bytes_bound
+
+        rows.append(Row("ngram_cache", f"cross-request output cache, {ngram_cache_tokens} tokens",
+                        bytes_bound(ngram_cache_tokens, ngram_max),
+                        f"upper bound: 8 B per token + {ngram_max} index slots x ~{BYTES_PER_SLOT} B "
+                        f"(Python objects; serve --ngram-cache-tokens)"))
     if concurrency > 8:
         notes.append(f"concurrency {concurrency} is above the validated limit 8 (the runtime refuses it)")
     return MemoryReport(profile=profile or cfg.mode, dtype=dtype if isinstance(dtype, str) else str(dtype),
@@ -425,7 +433,7 @@ def cmd_memory(args) -> int:
     cfg = drafter_config(args.config, spec)
     profile = args.config if args.config in ("release", "small") else Path(args.config).name
     rep = estimate(cfg, spec, context=args.context, concurrency=args.concurrency, dtype=args.dtype,
-                   profile=profile, tree_budget=args.tree_budget)
+                   profile=profile, tree_budget=args.tree_budget, ngram_cache_tokens=args.ngram_cache_tokens)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -445,10 +453,12 @@ def add_memory_parser(sub) -> None:
                    help="retained positions per request (default 131072, capped at the target's window)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
-    from .argtypes import tree_budget
+    from .argtypes import nonneg_int, tree_budget
 
     p.add_argument("--tree-budget", type=tree_budget, default=0,
                    help="draft-tree nodes per cycle (generate --tree-budget): adds one tree verification's buffers")
+    p.add_argument("--ngram-cache-tokens", type=nonneg_int, default=0,
+                   help="serve --ngram-cache-tokens: adds the cross-request output cache's bound")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_memory)
 

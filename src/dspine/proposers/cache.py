@@ -37,6 +37,13 @@ SCOPES = ("key", "global")  # --ngram-cache-scope
 BYTES_PER_SLOT = 170  # tuple key + dict entry + (entry, pos) tuple: ~166 B measured with tracemalloc (random ids)
 
 
+def bytes_bound(max_tokens: int, max_ngram: int = 4) -> int:
+    """Most bytes a cache of ``max_tokens`` tokens holds by the :meth:`OutputCache.nbytes`
+    estimate: each token stored once (8 B) and at most ``max_ngram`` index slots per token
+    (``dspine memory --ngram-cache-tokens``)."""
+    return int(max_tokens) * (8 + int(max_ngram) * BYTES_PER_SLOT)
+
+
 class OutputCache:
     """Earlier outputs per tenant, indexed by hashed n-grams (n = 1..``max_ngram``).
 
