@@ -106,11 +106,13 @@ def main() -> None:
                 got[label] = res.token_ids
                 runs.append({"workload": w, "prompt": p.id, "resent": resent, "config": label, "tokens": len(res.token_ids),
                              "cycles": st.cycles, "tokens_per_second": st.tokens_per_second,
-                             "sources": st.sources})
+                             "draft_s": round(st.draft_s + st.final_stage_s, 3), "verify_s": round(st.verify_s, 3),
+                             "verified": sum(st.verification_lengths),
+                             "tree_cycles": sum(1 for n in st.tree_nodes if n), "sources": st.sources})
             assert got["off"] == got["cache"], f"{w} {p.id}: ids differ with the cache"
             last = {x["config"]: x for x in runs[-2:]}
-            print(w, k, p.id, {lb: (round(x["tokens_per_second"], 1), x["tokens"], x["cycles"])
-                               for lb, x in last.items()},
+            print(w, k, p.id, {lb: (round(x["tokens_per_second"], 1), x["tokens"], x["cycles"], x["draft_s"],
+                                    x["verify_s"], x["verified"], x["tree_cycles"]) for lb, x in last.items()},
                   "cache copies accepted:", last["cache"]["sources"].get("cache", {}).get("accepted", 0), flush=True)
         summary_w[w] = {"skipped": skipped, "distinct": part([x for x in runs if x["workload"] == w and not x["resent"]]),
                         "resent": part([x for x in runs if x["workload"] == w and x["resent"]]),
