@@ -114,7 +114,10 @@ def shipped_dspine(smol):
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 
 
-@pytest.mark.parametrize("name,policy", [pytest.param("ngram", "fixed", marks=pytest.mark.slow), ("ngram", "cost"),
+# ngram alone on the real target is slow-only (suite time); the hybrid's copies run on it
+# in the default suite here, in test_output_cache and test_fused_copies
+@pytest.mark.parametrize("name,policy", [pytest.param("ngram", "fixed", marks=pytest.mark.slow),
+                                         pytest.param("ngram", "cost", marks=pytest.mark.slow),
                                          ("hybrid", "cost"),  # cost: the default
                                          pytest.param("hybrid", "fixed", marks=pytest.mark.slow)])
 def test_greedy_equals_ar_real_target(smol, shipped_dspine, name, policy):

@@ -61,7 +61,8 @@ def shipped(smol):
     return out
 
 
-@pytest.mark.parametrize("mode", ["dspine", "dflash", "dflash-engine"])
+@pytest.mark.parametrize("mode", ["dspine", pytest.param("dflash", marks=pytest.mark.slow),  # suite time;
+                                  "dflash-engine"])  # the DFlash-style path runs through dflash-engine
 def test_shipped_drafter_greedy_equals_ar(smol, shipped, mode):
     eng = Engine(smol, shipped[mode], shipped[mode].drafter.cfg.mode)
     accepted = 0
