@@ -24,7 +24,7 @@ from dspine.engine import Engine
 from dspine.final_stage import copy_bonus, inject_copy
 from dspine.proposers import HybridProposer, NgramProposer, make_proposer
 from dspine.sampling import filter_probs
-from test_policy import SAMPLING, exact_distribution, pooled_chi_square
+from test_policy import SAMPLING, exact_distribution, sources_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,12 +107,8 @@ def _drafter(tiny8):
 
 
 def chi_square(engine: Engine, exact: dict, n_samples: int):
-    counts, used = collections.Counter(), collections.Counter()
-    for s in range(n_samples):
-        r = engine.generate(PROMPT, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=M)
-        counts[tuple(r.token_ids)] += 1
-        used.update({k: v["proposed"] for k, v in r.stats.sources.items()})
-    return (*pooled_chi_square(counts, exact, n_samples), used)
+    """``test_policy.sources_chi_square`` of PROMPT, M tokens."""
+    return sources_chi_square(engine, PROMPT, M, exact, n_samples)
 
 
 class CountingDrafter(DrafterProposer):

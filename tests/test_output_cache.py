@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import collections
 import random
 
 import httpx
@@ -30,7 +29,7 @@ from dspine.draft import DrafterProposer, load_drafter, random_drafter
 from dspine.engine import Engine
 from dspine.policy import make_policy
 from dspine.proposers import NgramProposer, OutputCache, make_proposer, output_cache_of
-from test_policy import SAMPLING, exact_distribution, pooled_chi_square
+from test_policy import SAMPLING, exact_distribution, sources_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -200,12 +199,8 @@ def _filled_cache() -> OutputCache:
 
 
 def chi_square(engine: Engine, exact: dict, n_samples: int):
-    counts, used = collections.Counter(), collections.Counter()
-    for s in range(n_samples):
-        r = engine.generate(PROMPT, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=M)
-        counts[tuple(r.token_ids)] += 1
-        used.update({k: v["proposed"] for k, v in r.stats.sources.items()})
-    return (*pooled_chi_square(counts, exact, n_samples), used)
+    """``test_policy.sources_chi_square`` of PROMPT, M tokens."""
+    return sources_chi_square(engine, PROMPT, M, exact, n_samples)
 
 
 class FrozenCacheNgram(NgramProposer):

@@ -156,6 +156,19 @@ def pooled_chi_square(counts: collections.Counter, exact: dict, n_samples: int) 
     return float(stats.chisquare(obs, exp).pvalue), impossible
 
 
+def sources_chi_square(engine: Engine, prompt: list[int], m: int, exact: dict,
+                       n_samples: int) -> tuple[float, int, collections.Counter]:
+    """(p-value, samples outside the support, proposals verified per proposer source) of
+    ``n_samples`` sequences of ``m`` tokens after ``prompt`` sampled by ``engine`` with
+    :data:`SAMPLING` (seeds 0..n-1), vs ``exact`` (:func:`pooled_chi_square`)."""
+    counts, used = collections.Counter(), collections.Counter()
+    for s in range(n_samples):
+        r = engine.generate(prompt, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=m)
+        counts[tuple(r.token_ids)] += 1
+        used.update({k: v["proposed"] for k, v in r.stats.sources.items()})
+    return (*pooled_chi_square(counts, exact, n_samples), used)
+
+
 def chi_square(engine: Engine, exact: dict, n_samples: int) -> tuple[float, int]:
     """:func:`pooled_chi_square` of n_samples sequences of PROMPT sampled by ``engine``."""
     counts = collections.Counter()

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from dspine.engine import Engine
 from dspine.policy import CostCurve, CostModelPolicy, FixedPolicy, PerSourcePolicy, make_policy
 from dspine.proposers import HybridProposer, NgramIndex, NgramProposer, Plan, make_proposer
 from dspine.proposers.ngram import point_mass
-from test_policy import SAMPLING, PeakedProposer, _likely_second_token, exact_distribution, pooled_chi_square
+from test_policy import SAMPLING, PeakedProposer, _likely_second_token, exact_distribution, sources_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,15 +180,9 @@ def exact(tiny8):
     return exact_distribution(tiny8, PROMPT, M, SamplingConfig(**SAMPLING))
 
 
-def chi_square(engine: Engine, exact: dict, n_samples: int) -> tuple[float, int, collections.Counter]:
-    """(p-value, samples outside the support, proposals verified per source) of n_samples
-    sequences of PROMPT vs ``exact`` (``test_policy.pooled_chi_square``)."""
-    counts, used = collections.Counter(), collections.Counter()
-    for s in range(n_samples):
-        r = engine.generate(PROMPT, SamplingConfig(seed=s, **SAMPLING), max_new_tokens=M)
-        counts[tuple(r.token_ids)] += 1
-        used.update({k: v["proposed"] for k, v in r.stats.sources.items()})
-    return (*pooled_chi_square(counts, exact, n_samples), used)
+def chi_square(engine: Engine, exact: dict, n_samples: int):
+    """``test_policy.sources_chi_square`` of PROMPT, M tokens."""
+    return sources_chi_square(engine, PROMPT, M, exact, n_samples)
 
 
 def test_distribution_ngram_alone(tiny8, exact):
