@@ -265,5 +265,7 @@ def test_server_tenants_by_api_key():
         h = httpx.get(f"{srv.url}/health").json()
         assert h["ngram_cache"]["scope"] == "key" and h["ngram_cache"]["tenants"] == 2
         assert h["ngram_cache"]["entries"] == 3
+        prom = httpx.get(f"{srv.url}/metrics").text
+        assert "dspine_ngram_cache_entries 3.0" in prom and "dspine_ngram_cache_hits_total" in prom
     with pytest.raises(ValueError, match="--ngram-cache-scope"):
         create_app(BatchEngine(Engine(target, prop, "dspine"), 1), "m", cache_scope="everyone")

@@ -231,4 +231,5 @@ class HybridProposer(Proposer):
         info = dict(self.drafter_proposer.kernel_info()) if hasattr(self.drafter_proposer, "kernel_info") else {}
         info.update(self.ngram.kernel_info())
         info["proposer"] = "hybrid"
+        info["copy_bonus"] = self.fuse_bonus  # None: copies are not fused into the final stage
         return info

@@ -84,6 +84,8 @@ def create_app(batch: BatchEngine, model_name: str, max_queue: int = 64, info: d
     metrics = Metrics()
     sched = scheduler or Scheduler(batch, max_queue=max_queue, metrics=metrics)
     metrics = sched.metrics
+    if out_cache is not None:
+        metrics.add_output_cache(out_cache)
     target = batch.target
     ctx = batch.engine.max_positions
     info = dict(info or {})

@@ -64,7 +64,9 @@ def cmd_serve(args) -> int:
           f"proposer {info['proposer']}, "
           f"dtype {args.dtype}, verify policy {policy}, "
           f"batched {'verification' if args.mode != 'ar' else 'decoding'} of up to "
-          f"{args.max_running} running requests, queue {args.max_queue}", flush=True)
+          f"{args.max_running} running requests, queue {args.max_queue}"
+          + (f", output cache of {args.ngram_cache_tokens} tokens per --ngram-cache-scope "
+             f"{args.ngram_cache_scope}" if args.ngram_cache_tokens else ""), flush=True)
     print("dspine serve: endpoints POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
           "GET /health, GET /metrics; Ctrl-C or SIGTERM stops gracefully", flush=True)
     server = make_server(app, args.shutdown_timeout, args.log_level)

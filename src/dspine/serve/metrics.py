@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LAT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -19,7 +20,9 @@ class Metrics:
     ``dspine_batch_size``, ``dspine_time_to_first_token_seconds``,
     ``dspine_request_seconds``, gauges ``dspine_queue_depth``,
     ``dspine_running_requests``, ``dspine_free_slots``, ``dspine_cache_bytes{kind}``
-    (kind: target_kv, draft_kv).
+    (kind: target_kv, draft_kv); with ``serve --ngram-cache-tokens`` also
+    ``dspine_ngram_cache_{tokens,entries,tenants,bytes}`` and
+    ``dspine_ngram_cache_{lookups,hits}_total`` (:meth:`add_output_cache`).
     """
 
     def __init__(self):
@@ -50,5 +53,27 @@ class Metrics:
             for outcome in ("completed", "cancelled"):
                 self.requests.labels(ep, outcome)
 
+    def add_output_cache(self, cache) -> None:
+        """Export the cross-request output cache's counters (read at each scrape)."""
+        self.registry.register(_OutputCacheCollector(cache))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _OutputCacheCollector:
+    """Reads :meth:`dspine.proposers.cache.OutputCache.stats` at scrape time."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        st = self.cache.stats()
+        for key, name, doc in (("tokens", "tokens", "tokens held by the cross-request output cache"),
+                               ("entries", "entries", "finished requests held by the output cache"),
+                               ("tenants", "tenants", "tenants (API keys) with entries in the output cache"),
+                               ("bytes_estimate", "bytes", "estimated bytes held by the output cache")):
+            yield GaugeMetricFamily(f"dspine_ngram_cache_{name}", doc, value=st[key])
+        yield CounterMetricFamily("dspine_ngram_cache_lookups", "output cache lookups", value=st["lookups"])
+        yield CounterMetricFamily("dspine_ngram_cache_hits", "output cache lookups that found a continuation",
+                                  value=st["hits"])
