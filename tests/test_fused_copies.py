@@ -41,8 +41,9 @@ def test_inject_and_bonus():
     want[1, 1, 2] = 2.5  # row 2: only after c_1 (slot 1)
     want[2, 2, 2] = 2.5
     assert torch.equal(T2, want) and not T.any()
-    with pytest.raises(ValueError, match="--copy-bonus"):
-        HybridProposer(DrafterProposer.__new__(DrafterProposer), NgramProposer(), fuse_bonus=-1.0)
+    for bad in (-1.0, 1e39, float("nan"), "2"):  # float32 scores overflow near 3.4e38 (NaN q)
+        with pytest.raises(ValueError, match="--copy-bonus"):
+            HybridProposer(DrafterProposer.__new__(DrafterProposer), NgramProposer(), fuse_bonus=bad)
     with pytest.raises(ValueError, match="--copy-bonus needs --proposer hybrid"):
         make_proposer("ngram", None, copy_bonus=1.0)
 

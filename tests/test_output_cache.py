@@ -103,6 +103,15 @@ def test_settings_refused():
         make_proposer("drafter", NgramProposer(), cache_tokens=100)
     with pytest.raises(ValueError, match="--ngram-max"):
         NgramProposer(16, max_ngram=3, cache=OutputCache(10, 4))
+    for bad in (1, 2.5, float("nan"), "10"):  # an entry needs 2 tokens; no silent truncation
+        with pytest.raises(ValueError, match="--ngram-cache-tokens"):
+            OutputCache(bad)
+    with pytest.raises(ValueError, match="--ngram-max in 2..16"):
+        OutputCache(100, max_ngram=1)
+    with pytest.raises(ValueError, match="token ids"):
+        OutputCache(100).add("t", [1, 2, "3"])
+    with pytest.raises(ValueError, match="token ids"):
+        OutputCache(100).add("t", [1, 2.0])
 
 
 def test_build_engine_refuses_cache_without_copies():
@@ -115,6 +124,13 @@ def test_build_engine_refuses_cache_without_copies():
         build_engine("random:llama", None, "ar", proposer="hybrid", ngram_cache_tokens=100)
     with pytest.raises(EngineError, match="--ngram-cache-tokens must be >= 0"):
         build_engine("random:llama", "random", "dspine", proposer="hybrid", ngram_cache_tokens=-5)
+    with pytest.raises(EngineError, match="--ngram-cache-tokens must be 0 \\(off\\) or >= 2"):
+        build_engine("random:llama", "random", "dspine", proposer="hybrid", ngram_cache_tokens=1)
+    with pytest.raises(EngineError, match="--ngram-cache-tokens needs --ngram-max >= 2"):
+        build_engine("random:llama", "random", "dspine", proposer="ngram", ngram_max=1, ngram_min=1,
+                     ngram_cache_tokens=50)
+    with pytest.raises(EngineError, match="--copy-bonus must be in 0..10000"):
+        build_engine("random:llama", "random", "dspine", proposer="hybrid", copy_bonus=1e39)
 
 
 # -- greedy equality on the real target --------------------------------------------------------------

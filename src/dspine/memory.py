@@ -433,7 +433,8 @@ def cmd_memory(args) -> int:
     cfg = drafter_config(args.config, spec)
     profile = args.config if args.config in ("release", "small") else Path(args.config).name
     rep = estimate(cfg, spec, context=args.context, concurrency=args.concurrency, dtype=args.dtype,
-                   profile=profile, tree_budget=args.tree_budget, ngram_cache_tokens=args.ngram_cache_tokens)
+                   profile=profile, tree_budget=args.tree_budget, ngram_cache_tokens=args.ngram_cache_tokens,
+                   ngram_max=args.ngram_max)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -453,12 +454,14 @@ def add_memory_parser(sub) -> None:
                    help="retained positions per request (default 131072, capped at the target's window)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
-    from .argtypes import nonneg_int, tree_budget
+    from .argtypes import nonneg_int, positive_int, tree_budget
 
     p.add_argument("--tree-budget", type=tree_budget, default=0,
                    help="draft-tree nodes per cycle (generate --tree-budget): adds one tree verification's buffers")
     p.add_argument("--ngram-cache-tokens", type=nonneg_int, default=0,
                    help="serve --ngram-cache-tokens: adds the cross-request output cache's bound")
+    p.add_argument("--ngram-max", type=positive_int, default=4,
+                   help="serve --ngram-max (index slots per cached token)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_memory)
 

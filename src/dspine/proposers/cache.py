@@ -34,6 +34,7 @@ import threading
 from collections import OrderedDict
 
 SCOPES = ("key", "global")  # --ngram-cache-scope
+MIN_TOKENS = 2  # the smallest useful bound: one entry of 2 tokens
 BYTES_PER_SLOT = 170  # tuple key + dict entry + (entry, pos) tuple: ~166 B measured with tracemalloc (random ids)
 
 
@@ -60,8 +61,15 @@ class OutputCache:
     """
 
     def __init__(self, max_tokens: int, max_ngram: int = 4, min_match: int = 2):
-        if max_tokens < 1:
-            raise ValueError(f"--ngram-cache-tokens must be >= 1 to enable the cache, got {max_tokens}")
+        for name, v in (("--ngram-cache-tokens", max_tokens), ("--ngram-max", max_ngram), ("min_match", min_match)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if max_tokens < MIN_TOKENS:
+            raise ValueError(f"--ngram-cache-tokens must be >= {MIN_TOKENS} to enable the cache (an entry needs "
+                             f"2 tokens), got {max_tokens}")
+        if not 2 <= max_ngram <= 16:
+            raise ValueError(f"--ngram-cache-tokens needs --ngram-max in 2..16 (the cache proposes on matches "
+                             f"of 2+ tokens), got --ngram-max {max_ngram}")
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"cache min_match {min_match} must be in 1..--ngram-max ({max_ngram})")
         self.max_tokens, self.max_ngram, self.min_match = int(max_tokens), int(max_ngram), int(min_match)
@@ -79,7 +87,10 @@ class OutputCache:
         """Store ``tokens`` (one finished request's prompt tail + output) for ``tenant``;
         keeps the last ``max_tokens`` of a longer one; evicts the oldest entries beyond
         the bound. Entries shorter than 2 tokens (no continuation to offer) are skipped."""
-        toks = [int(t) for t in tokens][-self.max_tokens:]
+        toks = list(tokens)[-self.max_tokens:]
+        bad = [t for t in toks if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+        if bad:
+            raise ValueError(f"output cache entries are token ids (ints >= 0), got {bad[0]!r}")
         if len(toks) < 2:
             return
         with self._lock:

@@ -26,6 +26,7 @@ from ..config import SamplingConfig
 from .base import Plan, Proposal, Proposer
 from .ngram import CACHE_SOURCE, NgramIndex, NgramProposer
 
+MAX_COPY_BONUS = 1e4  # scores are logits (|T| ~ tens): 1e4 already means "always follow the copy"
 FUSED_SOURCE = "fused"  # the drafter's chain with the copied continuation fused into its final stage
 
 
@@ -59,7 +60,7 @@ class HybridProposer(Proposer):
             copy where the drafter agrees or hesitates (q is the chain's own distribution
             over the fused tables: exact). Trees keep the copy as a grafted branch instead.
     Raises:
-        ValueError: ``fuse_bonus`` negative or not finite (naming ``--copy-bonus``).
+        ValueError: ``fuse_bonus`` outside 0..:data:`MAX_COPY_BONUS` (naming ``--copy-bonus``).
     """
 
     needs_features = True
@@ -70,8 +71,10 @@ class HybridProposer(Proposer):
         self.drafter_proposer = drafter
         self.ngram = ngram or NgramProposer(drafter.block_size)
         self.strong_match = strong_match
-        if fuse_bonus is not None and not (fuse_bonus >= 0 and fuse_bonus < float("inf")):
-            raise ValueError(f"--copy-bonus must be a finite number >= 0, got {fuse_bonus}")
+        if fuse_bonus is not None and (not isinstance(fuse_bonus, (int, float)) or isinstance(fuse_bonus, bool)
+                                       or not 0 <= fuse_bonus <= MAX_COPY_BONUS):
+            raise ValueError(f"--copy-bonus must be a number in 0..{MAX_COPY_BONUS:g} (a score bonus; "
+                             f"float32 scores overflow far above that), got {fuse_bonus!r}")
         # fuse copies into the final stage's chain (source ``fused``) where the drafter has one
         self.fuse_bonus = fuse_bonus if getattr(getattr(drafter, "cfg", None), "final_stage", False) else None
         self.block_size = drafter.block_size

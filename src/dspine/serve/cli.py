@@ -8,6 +8,7 @@ an unknown ``--mode``, a port that cannot be bound, ...).
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -34,7 +35,20 @@ def cmd_serve(args) -> int:
         torch.set_num_threads(args.threads)
     from ..cli import DEFAULT_VERIFY_POLICY, proposer_notes
 
-    for note in proposer_notes(args):
+    notes = list(proposer_notes(args))
+    if args.ngram_cache_scope != "key" and not args.ngram_cache_tokens:
+        notes.append(f"--ngram-cache-scope {args.ngram_cache_scope} ignored: no output cache "
+                     f"(--ngram-cache-tokens 0)")
+    if args.ngram_cache_tokens:
+        from ..proposers.cache import bytes_bound
+
+        bound = bytes_bound(args.ngram_cache_tokens, args.ngram_max)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        if total and bound > total // 2:
+            notes.append(f"--ngram-cache-tokens {args.ngram_cache_tokens} may hold up to ~{bound / 2**30:.1f} GiB, "
+                         f"more than half of this machine's {total / 2**30:.1f} GiB (dspine memory "
+                         f"--ngram-cache-tokens N shows the bound)")
+    for note in notes:
         print(f"dspine serve: note: {note}", file=sys.stderr, flush=True)
 
     if args.mode == "ar" and args.verify_policy not in (None, "fixed"):
@@ -115,7 +129,7 @@ def add_serve_parser(sub) -> None:
     add_proposer_args(p)
     p.add_argument("--ngram-cache-tokens", type=nonneg_int, default=0,
                    help="copies may also come from earlier requests' outputs: keep up to N tokens of "
-                        "them (all tenants together, oldest dropped first; ~0.6 KB per token; default 0 = "
+                        "them (all tenants together, oldest dropped first; ~0.6 KB per token at --ngram-max 4; default 0 = "
                         "off; needs --proposer hybrid or ngram)")
     p.add_argument("--ngram-cache-scope", default="key", choices=["key", "global"],
                    help="who shares those outputs: key (the default: requests with the same "

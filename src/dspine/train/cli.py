@@ -417,6 +417,12 @@ def cmd_acceptance(args) -> int:
     from ..runtime.select import apply_runtime
 
     spec = tree_spec_from_args(args)
+    if args.copy_bonus is not None and (args.proposer != "hybrid" or not model.cfg.final_stage):
+        if args.proposer != "hybrid":
+            raise DrafterError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain), "
+                               f"not {args.proposer}")
+        print("dspine acceptance: note: --copy-bonus ignored: the DFlash-style drafter has no final stage "
+              "to fuse copies into", file=sys.stderr, flush=True)
     apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True, proposer=args.proposer, tree=spec, copy_bonus=args.copy_bonus)
