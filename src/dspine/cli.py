@@ -117,25 +117,12 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         raise EngineError(f"--ngram-max {ngram_max} must be in 1..{NgramIndex.MAX_NGRAM}")
     if not 1 <= ngram_min <= ngram_max:
         raise EngineError(f"--ngram-min {ngram_min} must be in 1..--ngram-max ({ngram_max})")
-    if ngram_cache_tokens < 0:
-        raise EngineError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {ngram_cache_tokens}")
-    if ngram_cache_tokens and (mode == "ar" or proposer == "drafter"):
-        raise EngineError(f"--ngram-cache-tokens needs --proposer hybrid or ngram (copies); "
-                          f"{'--mode ar' if mode == 'ar' else '--proposer drafter'} makes none")
-    from .proposers.cache import MIN_TOKENS
-    from .proposers.hybrid import MAX_COPY_BONUS
+    from .proposers import check_copy_settings
 
-    if ngram_cache_tokens and ngram_cache_tokens < MIN_TOKENS:
-        raise EngineError(f"--ngram-cache-tokens must be 0 (off) or >= {MIN_TOKENS}, got {ngram_cache_tokens}")
-    if ngram_cache_tokens and ngram_max < 2:
-        raise EngineError(f"--ngram-cache-tokens needs --ngram-max >= 2 (the cache proposes on matches of 2+ "
-                          f"tokens), got --ngram-max {ngram_max}")
-    if copy_bonus is not None and not 0 <= copy_bonus <= MAX_COPY_BONUS:
-        raise EngineError(f"--copy-bonus must be in 0..{MAX_COPY_BONUS:g} (a score bonus; float32 scores "
-                          f"overflow far above that), got {copy_bonus:g}")
-    if copy_bonus is not None and (mode == "ar" or proposer != "hybrid"):
-        raise EngineError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain); "
-                          f"{'--mode ar' if mode == 'ar' else '--proposer ' + proposer} has none")
+    try:
+        check_copy_settings(proposer, mode, ngram_cache_tokens, ngram_max, copy_bonus)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
     if device == "auto":  # as `dspine train --device auto`
         device = str(resolve_device("auto"))
     validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,

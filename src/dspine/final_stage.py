@@ -138,6 +138,27 @@ def copy_bonus(T: torch.Tensor, slot: torch.Tensor, bonus: float) -> torch.Tenso
     return T
 
 
+def fused_tables(drafter: DSpineDrafter, h_pre: torch.Tensor, r: torch.Tensor, c: torch.Tensor,
+                 anchor: torch.Tensor, cand: torch.Tensor, copies: list, bonus: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`conditional_tables` with copied continuations fused in (issue 20 item 3).
+
+    Same inputs as :func:`conditional_tables` (cand [b, n, K]) plus ``copies``: per batch
+    element a list of copied token ids or None. Each copy is injected into that element's
+    candidates (:func:`inject_copy`) *before* the tables are computed, then following it
+    scores ``bonus`` more (:func:`copy_bonus`). Returns (cand' [b, n, K], T [b, n, K, K])."""
+    slots = [None] * cand.shape[0]
+    if any(copies):
+        cand = cand.clone()
+        for j, cp in enumerate(copies):
+            if cp:
+                cand[j], slots[j] = inject_copy(cand[j], torch.tensor(cp, dtype=torch.long, device=cand.device))
+    T = conditional_tables(drafter, h_pre, r, c, anchor, cand)
+    for j, sl in enumerate(slots):
+        if sl is not None and bonus:
+            T[j] = copy_bonus(T[j], sl, bonus)
+    return cand, T
+
+
 @dataclass
 class Chain:
     """Proposals of one block: tokens [n] int64; for sampling also q over candidates.

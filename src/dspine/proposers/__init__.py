@@ -12,10 +12,42 @@ from __future__ import annotations
 
 from ..argtypes import PROPOSER_NAMES as PROPOSERS  # the --proposer values
 from .base import Plan, Proposal, Proposer
-from .cache import OutputCache
+from .cache import MIN_TOKENS, OutputCache
 from .drafter import DraftContextCache, DrafterProposer, propose_batch
-from .hybrid import HybridProposer, HybridState
+from .hybrid import MAX_COPY_BONUS, HybridProposer, HybridState
 from .ngram import NgramIndex, NgramProposer
+
+
+def check_copy_settings(name: str, mode: str = "dspine", cache_tokens: int = 0, ngram_max: int = 4,
+                        copy_bonus: float | None = None) -> None:
+    """Refuse ``--ngram-cache-tokens`` / ``--copy-bonus`` settings that cannot work with
+    ``--proposer name`` and ``--mode mode`` (checked before anything is loaded).
+
+    Raises:
+        ValueError: naming the setting (unknown proposer, a cache below its minimum, without
+            copies or with ``--ngram-max`` < 2, a copy bonus out of range or without the hybrid).
+    """
+    if name not in PROPOSERS:
+        raise ValueError(f"--proposer {name!r} is unknown; accepted: {', '.join(PROPOSERS)}")
+    if cache_tokens < 0:
+        raise ValueError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {cache_tokens}")
+    if cache_tokens:
+        if mode == "ar" or name == "drafter":
+            raise ValueError(f"--ngram-cache-tokens needs --proposer hybrid or ngram (copies); "
+                             f"{'--mode ar' if mode == 'ar' else '--proposer drafter'} makes none")
+        if cache_tokens < MIN_TOKENS:
+            raise ValueError(f"--ngram-cache-tokens must be 0 (off) or >= {MIN_TOKENS}, got {cache_tokens}")
+        if ngram_max < 2:
+            raise ValueError(f"--ngram-cache-tokens needs --ngram-max >= 2 (the cache proposes on matches of 2+ "
+                             f"tokens), got --ngram-max {ngram_max}")
+    if copy_bonus is not None:
+        if not isinstance(copy_bonus, (int, float)) or isinstance(copy_bonus, bool) \
+                or not 0 <= copy_bonus <= MAX_COPY_BONUS:
+            raise ValueError(f"--copy-bonus must be in 0..{MAX_COPY_BONUS:g} (a score bonus; float32 scores "
+                             f"overflow far above that), got {copy_bonus!r}")
+        if mode == "ar" or name != "hybrid":
+            raise ValueError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain); "
+                             f"{'--mode ar' if mode == 'ar' else '--proposer ' + name} has none")
 
 
 def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngram_max: int = 4,
@@ -31,15 +63,7 @@ def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngr
             a cache with ``--proposer drafter`` (it makes no copies), or ``copy_bonus`` without
             the hybrid.
     """
-    if name not in PROPOSERS:
-        raise ValueError(f"--proposer {name!r} is unknown; accepted: {', '.join(PROPOSERS)}")
-    if cache_tokens < 0:
-        raise ValueError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {cache_tokens}")
-    if cache_tokens and name == "drafter":
-        raise ValueError("--ngram-cache-tokens needs --proposer hybrid or ngram: --proposer drafter makes no copies")
-    if copy_bonus is not None and name != "hybrid":
-        raise ValueError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain), "
-                         f"not {name}")
+    check_copy_settings(name, cache_tokens=cache_tokens, ngram_max=ngram_max, copy_bonus=copy_bonus)
     cache = OutputCache(cache_tokens, ngram_max) if cache_tokens else None
     bs = drafter.block_size if drafter is not None else block_size
     if name == "ngram":
@@ -57,6 +81,6 @@ def output_cache_of(proposer) -> OutputCache | None:
     return getattr(ngram, "cache", None)
 
 
-__all__ = ["PROPOSERS", "DraftContextCache", "DrafterProposer", "HybridProposer", "HybridState",
+__all__ = ["PROPOSERS", "DraftContextCache", "check_copy_settings", "DrafterProposer", "HybridProposer", "HybridState",
            "NgramIndex", "NgramProposer", "OutputCache", "Plan", "Proposal", "Proposer", "make_proposer", "output_cache_of",
            "propose_batch"]

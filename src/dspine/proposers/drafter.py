@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..config import SamplingConfig
-from ..final_stage import candidates, chain, conditional_tables, copy_bonus, inject_copy, parallel_argmax
+from ..final_stage import candidates, chain, conditional_tables, fused_tables, parallel_argmax
 from ..model import DSpineDrafter
 from ..sampling import filter_probs, sample_index, uniform
 from .base import Proposal, Proposer
@@ -192,14 +192,9 @@ class DrafterProposer(Proposer):
         d = self.drafter
         x = d.norm_f(out.h[0, 0, 1:n + 1])  # [n, d]
         cand = candidates(d, x, self.cfg.head_topk, self.cfg.coarse_k, self.qhead)  # [n, K]
-        slot = None
-        if copy:
-            cand, slot = inject_copy(cand, torch.tensor(copy, dtype=torch.long, device=cand.device))
-        T = conditional_tables(d, out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1],
-                               a[:, 0], cand[None])[0]  # [n, K, K]
-        if slot is not None and bonus:
-            T = copy_bonus(T, slot, bonus)
-        return cand, T
+        cand, T = fused_tables(d, out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1],
+                               a[:, 0], cand[None], [copy], bonus)
+        return cand[0], T[0]  # [n, K], [n, K, K]
 
     @property
     def supports_tree(self) -> bool:
@@ -307,17 +302,10 @@ def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: l
         x = d.norm_f(out.h[:, 0, 1:nmax + 1])  # [b, nmax, d]
         cand = candidates(d, x.reshape(b * nmax, -1), cfg.head_topk, cfg.coarse_k, prop.qhead)
         cand = cand.reshape(b, nmax, -1)  # [b, nmax, K]
-        slots = [None] * b
-        for j, r in enumerate(reqs):  # copies fused into the final stage (hybrid, --copy-bonus)
-            c = getattr(r, "copy", None)
-            if c:
-                cj, slots[j] = inject_copy(cand[j], torch.tensor(c, dtype=torch.long, device=cand.device))
-                cand[j] = cj
-        T = conditional_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
-                               a[:, 0], cand)  # [b, nmax, K, K]
-        for j, r in enumerate(reqs):
-            if slots[j] is not None and getattr(r, "bonus", 0.0):
-                T[j] = copy_bonus(T[j], slots[j], r.bonus)
+        # copies fused into the final stage (hybrid, --copy-bonus): one bonus per proposer
+        bonus = max((getattr(r, "bonus", 0.0) for r in reqs), default=0.0)
+        cand, T = fused_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
+                               a[:, 0], cand, [getattr(r, "copy", None) for r in reqs], bonus)  # T [b, nmax, K, K]
         t2 = time.perf_counter()
         shared = (t2 - t1) / b
         for j, r in enumerate(reqs):

@@ -159,15 +159,18 @@ class HybridProposer(Proposer):
             return state.chosen[1]
         return self.plan(state, anchor, n).source
 
+    def _fused_copy(self, state: HybridState, anchor: int, n: int) -> list[int]:
+        """The copied continuation a ``fused`` cycle injects into the final stage."""
+        return state.index.lookup_any(anchor, n, self.ngram.min_match)[1]
+
     def propose(self, state: HybridState, anchor: int, anchor_pos: int, n: int, sampling: SamplingConfig,
                 gen: torch.Generator | None) -> Proposal:
         """Propose ``n`` tokens from the source :meth:`plan` chose for this context."""
         src = self._source(state, anchor, n)
         state.chosen = None
         if src == FUSED_SOURCE:
-            _, cont, _ = state.index.lookup_any(anchor, n, self.ngram.min_match)
             p = self.drafter_proposer.propose(state.draft, anchor, anchor_pos, n, sampling, gen,
-                                              copy=cont, bonus=self.fuse_bonus)
+                                              copy=self._fused_copy(state, anchor, n), bonus=self.fuse_bonus)
             p.source = src
             return p
         if src != self.drafter_proposer.source:
@@ -218,9 +221,8 @@ class HybridProposer(Proposer):
         if draft_idx:
             shim = []
             for j in draft_idx:
-                r, copy = reqs[j], None
-                if srcs[j] == FUSED_SOURCE:
-                    _, copy, _ = r.draft_state.index.lookup_any(r.anchor, ns[j], self.ngram.min_match)
+                r = reqs[j]
+                copy = self._fused_copy(r.draft_state, r.anchor, ns[j]) if srcs[j] == FUSED_SOURCE else None
                 shim.append(SimpleNamespace(draft_state=r.draft_state.draft, anchor=r.anchor, sampling=r.sampling,
                                             gen=r.gen, copy=copy, bonus=self.fuse_bonus or 0.0))
             got = self.drafter_proposer.propose_many(shim, [positions[j] for j in draft_idx],

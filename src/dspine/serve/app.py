@@ -55,13 +55,10 @@ def tenant_of(request: Request, scope: str) -> str:
     API key never receives copies of another's outputs; with ``global``, every request is
     the same tenant (share only when all clients may see each other's outputs).
 
-    Raises:
-        ValueError: an unknown scope (naming ``--ngram-cache-scope``).
+    ``scope`` is validated by :func:`create_app`.
     """
     if scope == "global":
         return ""
-    if scope != "key":
-        raise ValueError(f"--ngram-cache-scope {scope!r} is unknown; accepted: key, global")
     auth = request.headers.get("authorization")
     return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:24] if auth else "anonymous"
 

@@ -131,7 +131,9 @@ def add_serve_parser(sub) -> None:
                    help="copies may also come from earlier requests' outputs: keep up to N tokens of "
                         "them (all tenants together, oldest dropped first; ~0.6 KB per token at --ngram-max 4; default 0 = "
                         "off; needs --proposer hybrid or ngram)")
-    p.add_argument("--ngram-cache-scope", default="key", choices=["key", "global"],
+    from ..proposers.cache import SCOPES
+
+    p.add_argument("--ngram-cache-scope", default="key", choices=list(SCOPES),
                    help="who shares those outputs: key (the default: requests with the same "
                         "Authorization header; requests without one share the tenant 'anonymous') | "
                         "global (every request: only when all clients may see each other's outputs)")
