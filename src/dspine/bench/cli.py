@@ -1,4 +1,4 @@
-"""``dspine bench``: compare ar, dflash, dspine, hf and hf-pld under one setup (spec s.10).
+"""``dspine bench``: compare ar, dflash, dspine, hf and hf-pld (and llama.cpp) under one setup (spec s.10).
 
 Smoke (CI; under 3 minutes on 2 cores)::
 
@@ -9,6 +9,11 @@ Full run (documented command; hours on a 2-core CPU, minutes on a GPU)::
     dspine bench --out benchmarks/full --modes all --workloads all \\
         --settings greedy,sampled --repeats 3 --warmup 2 \\
         [--drafter-dspine PATH --drafter-dflash PATH] [--dtype bfloat16 --device cuda]
+
+With llama.cpp beside (a build of ``llama-server``; the GGUF defaults to the target's own)::
+
+    dspine bench --modes ar,dspine,llama-cpp,llama-cpp-lookup --llama-cpp LLAMA_CPP_DIR \
+        [--gguf smollm2-f16.gguf] --out benchmarks/llama-cpp
 
 Writes ``results.jsonl`` (one row per request, environment included), ``summary.json``,
 ``report.md`` and ``speedup.png``, ``acceptance.png``, ``cycle_split.png``.
@@ -65,7 +70,8 @@ def config_from_args(args) -> BenchConfig:
         limit=args.limit, max_new_tokens=args.max_new_tokens, context_tokens=args.context_tokens,
         settings=_settings(args) if args.settings else None, repeats=args.repeats, warmup=args.warmup,
         seed=args.seed, request_timeout_s=args.request_timeout, code_timeout_s=args.code_timeout,
-        concurrency=_concurrency(args.concurrency) if args.concurrency else None).items() if v is not None}
+        concurrency=_concurrency(args.concurrency) if args.concurrency else None,
+        llama_cpp=args.llama_cpp, gguf=args.gguf).items() if v is not None}
     return smoke_config(**given) if args.smoke else BenchConfig(**given)
 
 
@@ -103,8 +109,15 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu (default) | cuda")
     p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's own, every core; smoke 1)")
     p.add_argument("--modes", default=None,
-                   help="comma list of ar,dflash,dspine,ngram,hf,hf-pld or all (default all); ngram is dspine's "
+                   help="comma list of ar,dflash,dspine,ngram,hf,hf-pld,llama-cpp,llama-cpp-lookup or all (default "
+                        "all: every mode but the llama.cpp peers, which need a llama.cpp build); ngram is dspine's "
                         "own prompt lookup (copies, no drafter)")
+    p.add_argument("--llama-cpp", default=None, metavar="PATH",
+                   help="llama-server binary or a llama.cpp tree with build/bin/llama-server, for --modes "
+                        "llama-cpp / llama-cpp-lookup (default $DSPINE_LLAMA_CPP)")
+    p.add_argument("--gguf", default=None, metavar="PATH",
+                   help="the GGUF of the target llama.cpp serves (default: the target's own source GGUF, e.g. "
+                        "SmolLM2's Q4_1 file; `dspine export --format target-gguf --dtype float16|float32` writes others)")
     p.add_argument("--proposer", default=None, choices=list(PROPOSER_NAMES),
                    help="what dflash/dspine propose with: hybrid (default, as generate and serve: copies where "
                         "the context repeats, the drafter elsewhere) | drafter (the drafter alone) | ngram")

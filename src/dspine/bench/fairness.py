@@ -19,8 +19,17 @@ class UnfairComparisonError(BenchError):
     """Modes of one run differ in target, precision, device, threads or decoding settings."""
 
 
+#: setup fields an external engine's mode may hold apart from dspine's modes: a peer such as
+#: llama.cpp runs the same target from its own weights file (recorded in ``external_weights``)
+EXTERNAL_FIELDS = ("weights", "dtype", "external_weights")
+
+
 def check_fair(records: dict[str, dict], what: str = "setup") -> None:
     """Refuse a comparison whose modes differ in any field of ``records`` (mode -> dict).
+
+    A record holding ``external_weights`` (an external engine's mode, e.g. llama.cpp on a
+    GGUF of the target) is compared on :data:`EXTERNAL_FIELDS` only with the other external
+    records; every other field (target, device, threads, decoding) must match all modes.
 
     Raises:
         UnfairComparisonError: naming the differing fields and the value per mode.
@@ -30,9 +39,13 @@ def check_fair(records: dict[str, dict], what: str = "setup") -> None:
     keys = sorted(set().union(*(r.keys() for r in records.values())))
     diffs = []
     for k in keys:
-        vals = {m: json.dumps(r.get(k), sort_keys=True, default=str) for m, r in records.items()}
-        if len(set(vals.values())) > 1:
-            diffs.append(f"{k} (" + ", ".join(f"{m}: {records[m].get(k)!r}" for m in records) + ")")
+        groups = [records]
+        if k in EXTERNAL_FIELDS:
+            groups = [{m: r for m, r in records.items() if ("external_weights" in r) == ext} for ext in (False, True)]
+        for grp in groups:
+            vals = {m: json.dumps(r.get(k), sort_keys=True, default=str) for m, r in grp.items()}
+            if len(set(vals.values())) > 1:
+                diffs.append(f"{k} (" + ", ".join(f"{m}: {grp[m].get(k)!r}" for m in grp) + ")")
     if diffs:
         raise UnfairComparisonError(
             f"unfair comparison: {what} differs across modes in {'; '.join(diffs)}. Every mode of a "

@@ -31,7 +31,8 @@ import torch
 from ..argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE
 from ..config import SamplingConfig
 from .fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
-from .runners import ALL_MODES, ENGINE_MODES, HF_MODES, make_runner
+from .llama_cpp import LLAMA_MODES, LlamaCppRunner
+from .runners import ALL_MODES, ENGINE_MODES, make_runner
 from .workloads import WORKLOAD_NAMES, build_prompts, parse_workloads, warmup_prompt, workload_version
 
 
@@ -85,6 +86,8 @@ class BenchConfig:
     code_timeout_s: float = 10.0
     concurrency: tuple[int, ...] = (1,)
     smoke: bool = False
+    llama_cpp: str | None = None  # llama-server binary or llama.cpp tree (modes llama-cpp*; $DSPINE_LLAMA_CPP)
+    gguf: str | None = None  # the GGUF llama.cpp serves (default: the target's own source GGUF)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -110,13 +113,16 @@ def smoke_config(**overrides) -> BenchConfig:
 
 # -- validation -----------------------------------------------------------------------------
 def parse_modes(spec: str | list[str]) -> tuple[str, ...]:
+    """Mode names of ``--modes`` (``all``: dspine's modes and the transformers peers; the
+    llama.cpp peers :data:`LLAMA_MODES` need a build and are named explicitly)."""
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     names = [n.strip() for n in names if n.strip()]
     if names == ["all"]:
         return ALL_MODES
-    bad = [n for n in names if n not in ALL_MODES]
+    bad = [n for n in names if n not in ALL_MODES + LLAMA_MODES]
     if bad or not names:
-        raise BenchError(f"--modes {','.join(bad) or '(empty)'}: unknown; accepted: {', '.join(ALL_MODES)} or all")
+        raise BenchError(f"--modes {','.join(bad) or '(empty)'}: unknown; accepted: "
+                         f"{', '.join(ALL_MODES + LLAMA_MODES)} or all")
     if len(set(names)) != len(names):
         raise BenchError(f"--modes {','.join(names)}: a mode is listed twice")
     return tuple(names)
@@ -287,16 +293,34 @@ class Harness:
             tree = TreeSpec(cfg.tree_budget, parse_tree_shape(cfg.tree_shape), size=cfg.tree_size)
         except ValueError as e:
             raise BenchError(str(e)) from None
-        self.runners = {m: make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed, cfg.pld_tokens,
-                                    cfg.verify_policy, cfg.proposer, tree=tree)
-                        for m in cfg.modes}
-        self.check_setup()
+        if (cfg.llama_cpp or cfg.gguf) and not set(LLAMA_MODES) & set(cfg.modes):
+            raise BenchError(f"--llama-cpp / --gguf are for --modes {' / '.join(LLAMA_MODES)}, which this run "
+                             f"does not measure ({', '.join(cfg.modes)})")
+        self.runners = {}
+        try:
+            for m in cfg.modes:
+                if m in LLAMA_MODES:
+                    self.runners[m] = LlamaCppRunner(self.target, m, cfg.llama_cpp, cfg.gguf,
+                                                     threads=torch.get_num_threads(), ctx=cfg.context_tokens)
+                else:
+                    self.runners[m] = make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed,
+                                                  cfg.pld_tokens, cfg.verify_policy, cfg.proposer, tree=tree)
+            self.check_setup()
+        except BaseException:
+            self.close()
+            raise
         self.env = environment(self.target, cfg)
         self.prompts, self.skipped = build_prompts(self.target, list(cfg.workloads), cfg.limit,
                                                    cfg.context_tokens, cfg.max_new_tokens)
         if not self.prompts:
             raise BenchError("no prompt fits: raise --context-tokens or lower --max-new-tokens")
         self.warm = warmup_prompt(self.target, cfg.warmup_tokens)
+
+    def close(self) -> None:
+        """Stop what runners started outside this process (llama.cpp's server)."""
+        for r in getattr(self, "runners", {}).values():
+            if hasattr(r, "close"):
+                r.close()
 
     def check_setup(self) -> None:
         """Refuse the run unless every runner uses the same target/dtype/device/threads and
@@ -389,8 +413,8 @@ class Harness:
         from ..batch import BatchEngine
 
         for mode in self.cfg.modes:
-            if mode in HF_MODES:
-                continue  # transformers' generate with prompt lookup serves batch 1 only
+            if mode not in ENGINE_MODES:
+                continue  # the peers (transformers' generate, llama.cpp's one slot) run at concurrency 1 only
             runner = self.runners[mode]
             for wl in self.cfg.workloads:
                 items = [(p, rep) for p in self.prompts if p.workload == wl for rep in range(self.cfg.repeats)]
@@ -437,7 +461,10 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plot
         p.unlink()
     t0 = time.perf_counter()
     h = Harness(cfg, target=target)
-    rows = h.run(out_dir, progress=progress)
+    try:
+        rows = h.run(out_dir, progress=progress)
+    finally:
+        h.close()
     summary = summarize(rows, cfg=cfg.to_dict(), skipped=h.skipped, drafters=h.drafters)
     summary["wall_s"] = round(time.perf_counter() - t0, 2)
     write_report(summary, out_dir, plots=plots)

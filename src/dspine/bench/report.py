@@ -26,6 +26,7 @@ from .fairness import check_rows_fair
 
 COST_MODEL_TOLERANCE = 0.10
 PEER = "hf-pld"  # the external peer a user would pick instead (transformers prompt lookup)
+LLAMA_PEER = "llama-cpp"  # llama.cpp's plain decoding (optional mode: dspine.bench.llama_cpp)
 
 
 def _median(xs):
@@ -72,7 +73,7 @@ def _ratios(ok: list[dict], ref_rows: dict) -> tuple[list[float], list[float], l
 
 
 def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
-                 peer_rows: dict | None = None) -> dict:
+                 peer_rows: dict | None = None, llama_rows: dict | None = None) -> dict:
     ok = [r for r in rows if not r.get("failed")]
     g: dict = {"n": len(rows), "failures": sum(1 for r in rows if r.get("failed")),
                "timeouts": sum(1 for r in rows if r.get("finish_reason") == "timeout"),
@@ -90,6 +91,7 @@ def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
     g["speedup"] = _spread(sp)
     g["e2e_speedup"] = _spread(e2e)
     g["speedup_vs_peer"] = _spread(_ratios(ok, peer_rows or {})[0])
+    g["speedup_vs_llama_cpp"] = _spread(_ratios(ok, llama_rows or {})[0])
     g["greedy_matches_ar"] = (sum(match) / len(match)) if match else None
     # acceptance
     cyc = sum(r.get("cycles") or 0 for r in ok)
@@ -180,13 +182,17 @@ def summarize(rows: list[dict], cfg: dict | None = None, skipped: list | None = 
     for (c, s, w, m), rs in groups.items():
         ar = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, "ar"), [])}
         peer = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, PEER), [])}
+        llama = {(r["prompt_id"], r["repeat"]): r for r in groups.get((c, s, w, LLAMA_PEER), [])}
         # warm-ups run alone (concurrency 1): their per-cycle overhead is O at every concurrency
         o = ovh.get((c, s, m), ovh.get((1, s, m)))
-        g = _group_stats(rs, ar if m != "ar" else {}, o, peer if m != PEER else {})
+        g = _group_stats(rs, ar if m != "ar" else {}, o, peer if m != PEER else {},
+                         llama if m != LLAMA_PEER else {})
         if m == "ar":
             g["speedup"] = g["e2e_speedup"] = None
         if m == PEER:
             g["speedup_vs_peer"] = None
+        if m == LLAMA_PEER:
+            g["speedup_vs_llama_cpp"] = None
         g.update(concurrency=c, setting=s, workload=w, mode=m, workload_version=rs[0]["workload_version"])
         if c > 1 and "phase_wall_s" in rs[0]:
             g["throughput_tokens_per_s"] = sum(r["output_tokens"] for r in rs) / rs[0]["phase_wall_s"]
@@ -216,9 +222,17 @@ def summarize(rows: list[dict], cfg: dict | None = None, skipped: list | None = 
         if g["cost_model"].get("flag"):
             notes.append(f"Cost model off by {100 * g['cost_model']['error']:+.0f}% for {g['mode']} on "
                          f"{g['workload']} ({g['setting']}, concurrency {g['concurrency']}).")
+        ext = (g.get("mode_info") or {}).get("engine")
         if g.get("greedy_matches_ar") is not None and g["greedy_matches_ar"] < 1:
+            why = (f"{ext} computes with its own kernels on a {g['mode_info'].get('gguf_ftype')} GGUF: the same "
+                   f"model, other rounding" if ext else "float reduction order or a bug")
             notes.append(f"{g['mode']} on {g['workload']}: {100 * (1 - g['greedy_matches_ar']):.0f}% of greedy "
-                         f"outputs differ from ar (float reduction order or a bug).")
+                         f"outputs differ from ar ({why}).")
+    ext_modes = [m for m in modes if any((r.get("mode_info") or {}).get("engine") for r in rec if r["mode"] == m)]
+    if ext_modes:
+        notes.append(f"{', '.join(ext_modes)}: an external engine's server process; its prefill and decode times "
+                     f"are the server's own timings, end-to-end time the client's (HTTP included), peak memory "
+                     f"the client's only. Measured at concurrency 1.")
     first = rec[0] if rec else (rows[0] if rows else {})
     return {"format": "dspine-bench-summary/1", "run_id": first.get("run_id"), "env": first.get("env"),
             "setup": first.get("setup"), "config": cfg, "drafters": drafters, "modes": modes,
@@ -255,13 +269,17 @@ def _glance(res: list[dict]) -> list[str]:
     spec = [g for g in res if g["mode"] in ("dspine", "dflash")]
     if not spec:
         return []
-    L = ["", f"## At a glance: speculative modes vs `ar` and vs the peer (`{PEER}`)", "",
+    llama = any(g["mode"] == LLAMA_PEER for g in res)
+    L = ["", f"## At a glance: speculative modes vs `ar` and vs the peer (`{PEER}`"
+             + (f", `{LLAMA_PEER}`" if llama else "") + ")", "",
          "Output tokens/s after prefill, median of per-request ratios (min–max); the same "
          "requests in every mode.", "",
-         f"| concurrency | setting | workload | mode | tau pooled | vs ar | vs {PEER} |", "|---|---|---|---|---|---|---|"]
+         f"| concurrency | setting | workload | mode | tau pooled | vs ar | vs {PEER} |"
+         + (f" vs {LLAMA_PEER} |" if llama else ""), "|---|---|---|---|---|---|---|" + ("---|" if llama else "")]
     for g in spec:
         L.append(f"| {g['concurrency']} | {g['setting']} | {g['workload']} | {g['mode']} "
-                 f"| {_f(g['tau_pooled'])} | {_sp(g['speedup'])} | {_sp(g.get('speedup_vs_peer'))} |")
+                 f"| {_f(g['tau_pooled'])} | {_sp(g['speedup'])} | {_sp(g.get('speedup_vs_peer'))} |"
+                 + (f" {_sp(g.get('speedup_vs_llama_cpp'))} |" if llama else ""))
     return L
 
 
@@ -295,7 +313,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
     for m, info in (summary.get("mode_info") or {}).items():
         info = info or {}
         det = ", ".join(f"{k}={info[k]}" for k in ("bridge", "final_stage", "block_causal", "prompt_lookup_num_tokens",
-                                                  "max_matching_ngram_size", "drafter_dtype") if k in info)
+                                                  "max_matching_ngram_size", "drafter_dtype", "engine", "build",
+                                                  "gguf", "gguf_ftype", "server_args") if k in info)
         pc = info.get("policy_cycle_ms")
         if pc:  # what the cost policy believed a cycle costs when verifying n proposals
             det += (", " if det else "") + "cost-policy cycle ms at n=" + "/".join(
