@@ -12,6 +12,7 @@ compared with ``ar`` on transformers' forward and PyTorch's linears (``hf/aten``
 within each backend DSpine must equal ``ar`` (checked).
 
 Usage: python benchmarks/target_runtime.py [--rounds 2] [--tokens 128] [--out benchmarks/target_runtime.json]
+       [--configs "hf/aten ar,dense/mixed ar,dense/blockq ar,hf-generate,dense/mixed dspine,dense/blockq dspine"]
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ CONFIGS = [
     ("hf-generate", "hf", "aten", "hf-generate"),
     ("hf/onednn dspine", "hf", "onednn", "dspine"),
     ("dense/mixed dspine", "dense", "mixed", "dspine"),
+    ("dense/blockq ar", "dense", "blockq", "ar"),  # session 18: exact Q4_1/Q8_0 blocks (runtime/blockq.py)
+    ("dense/blockq dspine", "dense", "blockq", "dspine"),
 ]
 
 
@@ -74,7 +77,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/target_runtime.json")
+    ap.add_argument("--configs", default=None, help="comma list of configuration labels (default: all)")
     a = ap.parse_args()
+    global CONFIGS
+    if a.configs:
+        want = [c.strip() for c in a.configs.split(",") if c.strip()]
+        unknown = [w for w in want if w not in {c[0] for c in CONFIGS}]
+        if unknown or "hf/aten ar" not in want:
+            raise SystemExit(f"--configs: unknown {unknown} (or 'hf/aten ar', the reference, missing); "
+                             f"known: {', '.join(c[0] for c in CONFIGS)}")
+        CONFIGS = [c for c in CONFIGS if c[0] in want]
+    labels = {c[0] for c in CONFIGS}
     t = load_target("smollm2-135m", dtype="float32")
     drafter = load_drafter(DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", t)
     load0 = os.getloadavg()[0]
@@ -123,7 +136,10 @@ def main() -> None:
     for label, rt, be, mode in CONFIGS:
         same_as_ref[label] = sum(ids_of[(r, p, label)] == ids_of[(r, p, "hf/aten ar")]
                                  for r in range(a.rounds) for p in PROMPTS)
-    for spec, ref in (("hf/onednn dspine", "hf/onednn ar"), ("dense/mixed dspine", "dense/mixed ar")):
+    for spec, ref in (("hf/onednn dspine", "hf/onednn ar"), ("dense/mixed dspine", "dense/mixed ar"),
+                      ("dense/blockq dspine", "dense/blockq ar")):
+        if spec not in labels or ref not in labels:
+            continue
         for r in range(a.rounds):
             for p in PROMPTS:
                 checks.append(ids_of[(r, p, spec)] == ids_of[(r, p, ref)])
@@ -145,7 +161,10 @@ def main() -> None:
              ("dense/mixed ar", "hf/onednn ar"), ("dense/transposed ar", "hf-generate"),
              ("dense/mixed ar", "hf-generate"), ("dense/mixed dspine", "dense/mixed ar"),
              ("dense/mixed dspine", "hf/onednn dspine"), ("dense/mixed dspine", "hf/aten ar"),
-             ("hf/onednn dspine", "hf/onednn ar")]
+             ("hf/onednn dspine", "hf/onednn ar"), ("dense/blockq ar", "dense/mixed ar"),
+             ("dense/blockq ar", "hf/aten ar"), ("dense/blockq ar", "hf-generate"),
+             ("dense/blockq dspine", "dense/blockq ar"), ("dense/blockq dspine", "dense/mixed ar")]
+    pairs = [(x, y) for x, y in pairs if x in labels and y in labels]
     summary = {
         "machine": machine_info(), "machine_line": describe(), "load_avg_1m_start": load0,
         "load_avg_1m_end": os.getloadavg()[0], "rounds": a.rounds, "tokens": a.tokens,

@@ -191,6 +191,7 @@ def test_random_drafter_equals_ar_with_exact_states(arch, block_size, mode):
     req = run_checked(t, Engine(t, prop, mode), reference(t))
     assert req.out_ids == ar_tokens(t)[:M]
     # the drafter's context holds one feature row per committed position, nothing more
+    req.draft_state.flush()  # (commits are projected lazily, when the drafter next drafts)
     assert req.draft_state.written == req.cache.length
 
 

@@ -28,7 +28,7 @@ def add_target_runtime_args(p: argparse.ArgumentParser, default: str | None = "a
     """``--linear-backend`` and ``--runtime`` (the target's linears and forward;
     :mod:`dspine.runtime`) of ``generate``, ``serve`` and ``bench``."""
     who = " for every mode (hf and hf-pld included)" if every_mode else ""
-    p.add_argument("--linear-backend", default=default, metavar="{auto,aten,transposed,onednn,mixed}",
+    p.add_argument("--linear-backend", default=default, metavar="{auto,aten,transposed,onednn,mixed,blockq}",
                    help=f"the target's linear layers{who}: auto (default: the fastest measured on this machine, "
                         "cached) | aten (PyTorch's own) | transposed (column-major weights) | onednn (weights "
                         "pre-packed once) | mixed (column-major for one token, packed for more)")

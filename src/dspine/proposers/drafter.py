@@ -24,15 +24,53 @@ class DraftContextCache:
     Holds per layer k, v [kv, cap, hd] (RoPE applied), absolute positions [cap] and a
     valid mask; ``cap`` grows by doubling up to ``window``, after which the oldest
     positions are overwritten (memory stays flat past the window, spec section 7).
+
+    Commits are lazy when ``project`` is given (``project(features [1, n, F*d], pos [1, n])``
+    -> per layer (k, v) [1, kv, n, hd], the drafter's context projection): :meth:`defer`
+    only keeps the features, and :meth:`flush` (called by :meth:`as_batch`, i.e. before the
+    drafter reads its context) projects everything pending in one call. Cycles in which
+    nothing is drafted (the cost policy's plain target steps, copies) then cost no drafter
+    work at all; the K/V of a position depends on its own features and position only, so
+    this equals committing position by position up to the float rounding of a larger
+    matrix product.
     """
 
-    def __init__(self, num_layers: int, window: int):
+    def __init__(self, num_layers: int, window: int, project=None):
         self.L, self.window = num_layers, window
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.pos: torch.Tensor | None = None  # [cap] int64
         self.valid: torch.Tensor | None = None  # [cap] bool
-        self.written = 0  # positions ever appended
+        self.written = 0  # positions ever appended (pending ones not yet)
+        self.pending: list[tuple[torch.Tensor, int]] = []  # (features [n, F*d], first position)
+        self._project = project
+
+    def defer(self, features: torch.Tensor, start_pos: int) -> None:
+        """Keep ``features`` [n, F*d] of positions ``start_pos ..`` for the next :meth:`flush`
+        (a copy: the caller's buffer may be reused); only the last ``window`` pending
+        positions are kept (no others can ever be read)."""
+        if features.shape[0] == 0:
+            return
+        self.pending.append((features.detach().clone(), int(start_pos)))
+        total = sum(f.shape[0] for f, _ in self.pending)
+        while total - self.pending[0][0].shape[0] >= self.window:
+            total -= self.pending.pop(0)[0].shape[0]
+
+    def pending_items(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(features [n, F*d], positions [n]) pending, at most the last ``window``; clears them."""
+        if not self.pending:
+            return None
+        feats = torch.cat([f for f, _ in self.pending])
+        pos = torch.cat([torch.arange(p, p + f.shape[0], device=f.device) for f, p in self.pending])
+        self.pending = []
+        return feats[-self.window:], pos[-self.window:]
+
+    def flush(self) -> None:
+        """Project and append whatever :meth:`defer` kept (no-op when nothing is pending)."""
+        items = self.pending_items()
+        if items is not None:
+            feats, pos = items
+            self.append(self._project(feats[None], pos[None]), pos)
 
     def _grow(self, need: int, like: torch.Tensor) -> None:
         cap = 0 if self.pos is None else self.pos.shape[0]
@@ -72,11 +110,15 @@ class DraftContextCache:
         self.written += n
 
     def nbytes(self) -> int:
-        """Bytes of the K/V buffers."""
+        """Bytes of the K/V buffers (pending commits projected first, so the figure is the
+        state's real size)."""
+        self.flush()
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def as_batch(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
-        """(per-layer (k, v) [1, kv, cap, hd], pos [1, cap], valid [1, cap])."""
+        """(per-layer (k, v) [1, kv, cap, hd], pos [1, cap], valid [1, cap]), pending commits
+        flushed first."""
+        self.flush()
         return ([(k[None], v[None]) for k, v in zip(self.k, self.v)], self.pos[None], self.valid[None])
 
 
@@ -112,48 +154,45 @@ class DrafterProposer(Proposer):
         return {"candidate_pass": self.qhead.describe()["kernels"]}
 
     def new_state(self, prompt_ids):
-        return DraftContextCache(self.cfg.num_layers, self.cfg.window)
+        return DraftContextCache(self.cfg.num_layers, self.cfg.window, project=self._project)
 
     @torch.no_grad()
+    def _project(self, features: torch.Tensor, pos: torch.Tensor):
+        return self.drafter.context_kv(features, pos)
+
     def commit(self, state: DraftContextCache, features: torch.Tensor, start_pos: int) -> None:
-        n = features.shape[0]
-        if n == 0:
-            return
-        if n > self.cfg.window:
-            features, start_pos, n = features[-self.cfg.window:], start_pos + n - self.cfg.window, self.cfg.window
-        pos = torch.arange(start_pos, start_pos + n, device=features.device)
-        state.append(self.drafter.context_kv(features[None], pos[None]), pos)
+        """Accepted features [n, F*d] of positions ``start_pos ..``: kept until the drafter next
+        reads its context (:meth:`DraftContextCache.defer`; projected then in one call)."""
+        state.defer(features, start_pos)
 
-    @torch.no_grad()
     def commit_many(self, states: list[DraftContextCache], features: list[torch.Tensor],
                     starts: list[int]) -> None:
-        """Commit accepted features of several requests with one context projection.
-
-        ``features[i]`` [n_i, F*d] at positions ``starts[i] .. starts[i] + n_i - 1`` of
-        ``states[i]``. The context K/V of a position depends on its own features and
-        position only, so this equals :meth:`commit` per request (up to float rounding
-        of the larger matrix product); it saves b - 1 small projections per batched cycle.
-        """
-        if type(self).commit is not DrafterProposer.commit:  # a subclass commits its own way
-            return super().commit_many(states, features, starts)
-        W = self.cfg.window
-        items = []
+        """:meth:`commit` for several requests (each deferred; :meth:`flush_many` projects
+        them together before the next batched proposal)."""
         for s, f, p in zip(states, features, starts):
-            if f.shape[0] > W:  # only the last `window` positions can ever be read
-                p, f = p + f.shape[0] - W, f[-W:]
-            if f.shape[0]:
-                items.append((s, f, p))
+            self.commit(s, f, p)
+
+    @torch.no_grad()
+    def flush_many(self, states: list[DraftContextCache]) -> None:
+        """Project the pending commits of several requests with one context projection.
+
+        The context K/V of a position depends on its own features and position only, so
+        this equals :meth:`DraftContextCache.flush` per request (up to float rounding of the
+        larger matrix product); it saves b - 1 small projections per batched cycle.
+        """
+        items = [(s, it) for s in states if (it := s.pending_items()) is not None]
+        if len(items) == 1:
+            s, (f, p) = items[0]
+            s.append(self._project(f[None], p[None]), p)
         if len(items) <= 1:
-            for s, f, p in items:
-                self.commit(s, f, p)
             return
-        feats = torch.cat([f for _, f, _ in items])[None]  # [1, sum n_i, F*d]
-        pos = torch.cat([torch.arange(p, p + f.shape[0], device=f.device) for _, f, p in items])  # [sum n_i]
-        kv = self.drafter.context_kv(feats, pos[None])  # per layer (k, v) [1, kv, sum n_i, hd]
+        feats = torch.cat([f for _, (f, _) in items])[None]  # [1, sum n_i, F*d]
+        pos = torch.cat([p for _, (_, p) in items])  # [sum n_i]
+        kv = self._project(feats, pos[None])  # per layer (k, v) [1, kv, sum n_i, hd]
         o = 0
-        for s, f, _ in items:
+        for s, (f, p) in items:
             n = f.shape[0]
-            s.append([(k[:, :, o:o + n], v[:, :, o:o + n]) for k, v in kv], pos[o:o + n])
+            s.append([(k[:, :, o:o + n], v[:, :, o:o + n]) for k, v in kv], p)
             o += n
 
     @torch.no_grad()
@@ -240,6 +279,7 @@ class DrafterProposer(Proposer):
         """One drafter forward for all requests (:func:`propose_batch`) once every
         request's draft context holds positions; else one by one. A request may carry
         ``copy`` / ``bonus`` (the hybrid's fused copies, :meth:`propose`)."""
+        self.flush_many([r.draft_state for r in reqs])
         if len(reqs) > 1 and all(r.draft_state.pos is not None for r in reqs):
             return propose_batch(self, reqs, positions, ns)
         return [self.propose(r.draft_state, r.anchor, p, n, r.sampling, r.gen, copy=getattr(r, "copy", None),

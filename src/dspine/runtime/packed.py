@@ -29,11 +29,14 @@ import time
 import torch
 from torch import nn
 
-LINEAR_BACKENDS = ("aten", "transposed", "onednn", "mixed")
+LINEAR_BACKENDS = ("aten", "transposed", "onednn", "mixed", "blockq")
 """``aten``: PyTorch's own linear on row-major weights. ``transposed``: the same on
 column-major weights (:mod:`dspine.runtime.layout`, no extra memory). ``onednn``: oneDNN
 on weights packed once (a second copy). ``mixed``: column-major weights for one-row
-inputs (a one-token step) and the packed copy for more rows (verification, batches)."""
+inputs (a one-token step) and the packed copy for more rows (verification, batches).
+``blockq``: the exact GGUF blocks of a target converted from Q4_1/Q8_0 for inputs of up
+to 16 rows (:mod:`dspine.runtime.blockq`, C++ kernels built once per machine) and the
+oneDNN packed copy for more (prefill, large trees)."""
 
 
 def onednn_available() -> bool:
@@ -128,11 +131,13 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
         ValueError: unknown backend (naming ``--linear-backend``), or a oneDNN backend where
             it cannot run (:func:`pack_linears`); the model is then left on ``aten``.
     """
+    from .blockq import MAX_ROWS, pack_blocks, unpack_blocks
     from .layout import set_column_major
 
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
-    want_packed = backend in ("onednn", "mixed")
+    unpack_blocks(model)  # blockq wraps the packed layers; rebuilt below when asked for again
+    want_packed = backend in ("onednn", "mixed", "blockq")
     packs = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if packs and (not want_packed or any(m.one_row_aten != (backend == "mixed") for m in packs)):
         unpack_linears(model)
@@ -144,16 +149,44 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
         except ValueError as e:
             set_column_major(model, False)
             raise ValueError(str(e).replace("--linear-backend onednn", f"--linear-backend {backend}")) from None
+    if backend == "blockq":
+        from .blockq import kernels, unavailable_reason
+
+        if kernels() is None:
+            set_linear_backend(model, "aten")
+            raise ValueError(f"--linear-backend blockq: its kernels could not be built here ({unavailable_reason()}); "
+                             f"use another backend")
+        counts = pack_blocks(model, rows=MAX_ROWS, wrap=(nn.Linear, PackedLinear))
+        if not counts["q4"] + counts["q8"]:
+            set_linear_backend(model, "aten")
+            raise ValueError("--linear-backend blockq: no linear layer of this target holds exact Q4_1/Q8_0 "
+                             "blocks (only targets converted from such a GGUF do); use another backend")
 
 
 def available_backends(target) -> tuple[str, ...]:
-    """The backends that can run ``target`` here: all four for a dense CPU float32/bfloat16
-    target on a torch with oneDNN; ``aten``/``transposed`` without oneDNN; only ``aten``
-    for CUDA and hybrid (Gated-DeltaNet) targets."""
+    """The backends that can run ``target`` here: the four PyTorch/oneDNN ones for a dense CPU
+    float32/bfloat16 target on a torch with oneDNN, and ``blockq`` too where
+    :func:`blockq_available`; ``aten``/``transposed`` without oneDNN; only ``aten`` for CUDA
+    and hybrid (Gated-DeltaNet) targets."""
     if target.device.type != "cpu" or target.dtype not in (torch.float32, torch.bfloat16) \
             or target.hybrid is not None:
         return ("aten",)
-    return LINEAR_BACKENDS if onednn_available() else ("aten", "transposed")
+    if not onednn_available():
+        return ("aten", "transposed")
+    return LINEAR_BACKENDS if blockq_available(target) else tuple(b for b in LINEAR_BACKENDS if b != "blockq")
+
+
+def blockq_available(target) -> bool:
+    """``blockq`` can run ``target``: float32 on the CPU, its first linear layer holds
+    exact Q4_1/Q8_0 blocks, and the kernels build here (compiled on the first call)."""
+    from .blockq import kernels, pack_q4, pack_q8
+
+    if target.dtype != torch.float32 or target.device.type != "cpu":
+        return False
+    lin = next((m for m in target.model.modules() if isinstance(m, (nn.Linear, PackedLinear))), None)
+    if lin is None or (pack_q8(lin.weight) is None and pack_q4(lin.weight) is None):
+        return False
+    return kernels() is not None
 
 
 def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: bool = True, context: int = 64):

@@ -51,6 +51,13 @@ def cmd_tune(args) -> int:
     report["linear_backend"] = lb.to_dict()
     say("\ntarget linear layers (one-token step + 16-token verification; --linear-backend auto):")
     say(f"  -> {lb.chosen:<9} ({_fmt(lb.times_ms) or lb.reason}){' [cached]' if lb.cached else ''}")
+    from ..runtime.blockq import unavailable_reason
+
+    if "blockq" not in (lb.times_ms or {}):  # say why the exact-block kernels were not measured
+        why = unavailable_reason() or ("this target's weights are not exact Q4_1/Q8_0 blocks (only targets "
+                                       "converted from such a GGUF are), or it is not a float32 CPU target")
+        report["blockq_unavailable"] = why
+        say(f"  (blockq not offered: {why})")
     if prop is not None:
         cp = plan_candidate_pass(prop.drafter.head, prop.drafter.fc.weight.dtype, "auto", progress=not args.json)
         prop.qhead = cp

@@ -68,11 +68,12 @@ def choose_forward_dtype(target, batch: int, length: int, decode: bool, *, redo:
             return hit
     V = target.vocab_size
     ids = (torch.arange(batch * length).view(batch, length) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)
-    from ..runtime.packed import is_packed, pack_linears, unpack_linears
+    from ..runtime.packed import set_linear_backend
 
-    repack = is_packed(target.model)  # batched work runs PyTorch's linears; packed weights cannot be copied
+    backend = getattr(target, "linear_backend", "aten")  # batched work runs PyTorch's linears; packed
+    repack = backend != "aten"                            # weights cannot be copied
     if repack:
-        unpack_linears(target.model)
+        set_linear_backend(target.model, "aten")
     try:
         # each alternative's model copy is built before timing (a copy's build is not its speed)
         alts = {n: _alternative(target.model, getattr(torch, n), ids.to(target.device), decode)
@@ -82,7 +83,7 @@ def choose_forward_dtype(target, batch: int, length: int, decode: bool, *, redo:
                                    f"({batch}x{length} tokens)")
     finally:
         if repack:
-            pack_linears(target.model)
+            set_linear_backend(target.model, backend)
 
 
 def resolve_dtype(name: str, target, batch: int, length: int, decode: bool, progress: bool = True) -> str:
