@@ -197,6 +197,9 @@ def test_bench_run_with_the_llama_cpp_peer(fake, tiny256, tmp_path, monkeypatch,
     assert g["llama-cpp"]["greedy_matches_ar"] == 0.0  # the fake's tokens are not the target's
     report = (tmp_path / "out" / "report.md").read_text()
     assert "vs llama-cpp" in report and "gguf_ftype=F16" in report
+    row = [l for l in report.splitlines() if l.startswith("| llama-cpp |")][-1]  # the workload table's row
+    assert "| 0/1 |" in row and "| – |" in row  # greedy ids = ar; the server's memory is not sampled
+    assert "| 1/1 |" in [l for l in report.splitlines() if l.startswith("| dspine |")][-1]
     assert any("other rounding" in n for n in s["notes"])
     assert all(not _alive(int(p)) for p in (tmp_path / "pids").read_text().split())  # the server is stopped
 

@@ -9,6 +9,8 @@ rounded to Q4_1 blocks (chi-square, with the negative control failing).
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -115,6 +117,32 @@ def test_blockq_is_offered_only_for_block_exact_targets(tiny256, monkeypatch):
     monkeypatch.setattr(B, "_STATE", {"mod": None, "why": "no C++ compiler"})
     with pytest.raises(ValueError, match="could not be built here.*no C\\+\\+ compiler"):
         set_linear_backend(tiny256.model, "blockq")
+
+
+def test_other_backends_never_build_the_kernels(tiny256, monkeypatch):
+    def boom(progress=True):
+        raise AssertionError("blockq kernels built for another backend")
+
+    monkeypatch.setattr(B, "kernels", boom)
+    apply_linear_backend(tiny256, "mixed")
+    apply_linear_backend(tiny256, "aten")
+
+
+def test_kernel_rows_follow_a_measurement(monkeypatch):
+    _kernels_or_skip()
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    for lin in model:
+        lin.weight.data.copy_(q4_weight(lin.out_features, lin.in_features))
+    B.pack_blocks(model, rows=B.MAX_ROWS)
+    assert B.choose_rows(model) in (4, B.MAX_ROWS, 1)
+    assert len({m.rows for m in model.modules() if isinstance(m, B.BlockQLinear)}) == 1
+
+    def slow_kernel(self, x):  # a kernel slower than the inner layer at every size: one-row steps only
+        time.sleep(0.002)
+        return self.inner(x)
+
+    monkeypatch.setattr(B.BlockQLinear, "forward", slow_kernel)
+    assert B.choose_rows(model) == 1
 
 
 def test_real_target_packs_exactly_and_decodes_as_ar(smol):

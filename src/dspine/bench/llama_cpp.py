@@ -38,7 +38,7 @@ import torch
 
 from ..config import SamplingConfig
 from .fairness import BenchError
-from .runners import PeakMemory, Runner, _cut_at_stop, _sampling_dict, _text
+from .runners import Runner, _cut_at_stop, _sampling_dict, _text
 
 LLAMA_MODES = ("llama-cpp", "llama-cpp-lookup")
 #: llama-server's prompt-lookup settings of ``llama-cpp-lookup`` (draft up to 15 tokens after
@@ -283,15 +283,14 @@ class LlamaCppRunner(Runner):
             stop: list[str], timeout_s: float) -> dict:
         body = dict(self.body(sampling, max_new_tokens, stop), prompt=[int(t) for t in prompt_ids])
         tok = self.target.tokenizer
-        with PeakMemory(torch.device("cpu")) as mem:  # the client's RSS; the server's is not sampled
-            t0 = time.perf_counter()
-            try:
-                r = self.server.post("/completion", body, timeout_s=timeout_s)
-            except (TimeoutError, urllib.error.URLError) as e:
-                if not isinstance(getattr(e, "reason", e), TimeoutError):
-                    raise RuntimeError(f"llama-server /completion: {e}") from None
-                r = None
-            t_end = time.perf_counter()
+        t0 = time.perf_counter()  # (the server's memory is another process's: not sampled)
+        try:
+            r = self.server.post("/completion", body, timeout_s=timeout_s)
+        except (TimeoutError, urllib.error.URLError) as e:
+            if not isinstance(getattr(e, "reason", e), TimeoutError):
+                raise RuntimeError(f"llama-server /completion: {e}") from None
+            r = None
+        t_end = time.perf_counter()
         if r is None:  # the server is still decoding that request: restart it for the next one
             self.server.close()
             self.server.start()
@@ -324,5 +323,5 @@ class LlamaCppRunner(Runner):
             "verification_lengths": [],
             "draft_s": None, "final_stage_s": None, "verify_s": None,
             "cycle_s": decode_s, "overhead_s": None, "split_measured": False,
-            "peak_memory_bytes": mem.peak, "peak_memory_kind": "client_rss",
+            "peak_memory_bytes": None, "peak_memory_kind": "not measured (external server)",
         }

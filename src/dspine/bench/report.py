@@ -93,6 +93,7 @@ def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
     g["speedup_vs_peer"] = _spread(_ratios(ok, peer_rows or {})[0])
     g["speedup_vs_llama_cpp"] = _spread(_ratios(ok, llama_rows or {})[0])
     g["greedy_matches_ar"] = (sum(match) / len(match)) if match else None
+    g["greedy_matches_ar_count"] = [sum(match), len(match)] if match else None
     # acceptance
     cyc = sum(r.get("cycles") or 0 for r in ok)
     emitted = sum(r.get("emitted_sum") or 0 for r in ok)
@@ -231,8 +232,8 @@ def summarize(rows: list[dict], cfg: dict | None = None, skipped: list | None = 
     ext_modes = [m for m in modes if any((r.get("mode_info") or {}).get("engine") for r in rec if r["mode"] == m)]
     if ext_modes:
         notes.append(f"{', '.join(ext_modes)}: an external engine's server process; its prefill and decode times "
-                     f"are the server's own timings, end-to-end time the client's (HTTP included), peak memory "
-                     f"the client's only. Measured at concurrency 1.")
+                     f"are the server's own timings, end-to-end time the client's (HTTP included); its memory "
+                     f"is not sampled (peak MB –). Measured at concurrency 1.")
     first = rec[0] if rec else (rows[0] if rows else {})
     return {"format": "dspine-bench-summary/1", "run_id": first.get("run_id"), "env": first.get("env"),
             "setup": first.get("setup"), "config": cfg, "drafters": drafters, "modes": modes,
@@ -334,13 +335,16 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         gs = [g for g in res if (g["concurrency"], g["setting"], g["workload"]) == (c, s, w)]
         L += ["", f"## {w} ({gs[0]['workload_version']}), {s}, concurrency {c}", "",
               "| mode | n | out tok | TTFT s | tok/s | e2e s | speedup tok/s vs ar (min–max) | e2e speedup "
-              "| tau mean / pooled | verif. len | peak MB | failed | check |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| tau mean / pooled | verif. len | greedy ids = ar | peak MB | failed | check |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in gs:
+            same = g.get("greedy_matches_ar_count")
+            peak = g["peak_memory_bytes_max"]
             L.append(f"| {g['mode']} | {g['n']} | {g['output_tokens_mean']:.0f} | {_f(g['ttft_s_median'], '{:.3f}')} "
                      f"| {_f(g['tokens_per_second_median'])} | {_f(g['e2e_s_median'])} | {_sp(g['speedup'])} "
                      f"| {_sp(g['e2e_speedup'])} | {_f(g['tau_mean'])} / {_f(g['tau_pooled'])} "
-                     f"| {_f(g['verification_length_mean'], '{:.1f}')} | {g['peak_memory_bytes_max'] / 2**20:.0f} "
+                     f"| {_f(g['verification_length_mean'], '{:.1f}')} | {f'{same[0]}/{same[1]}' if same else '–'} "
+                     f"| {_f(peak / 2**20 if peak else None, '{:.0f}')} "
                      f"| {g['failures']} ({g['timeouts']} timeouts) | {_check_cell(g)} |")
     src_rows = [(g, k, a) for g in res for k, a in sorted((g.get("sources") or {}).items()) if k != "none"]
     if src_rows:

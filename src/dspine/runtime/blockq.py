@@ -35,7 +35,10 @@ def _build_key() -> str:
     from ..tune.machine import machine_key
 
     h = hashlib.sha256(_SOURCE.read_bytes())
-    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{machine_key()}".encode())
+    # the build files name this torch's include/lib paths: one folder per torch install, so two
+    # environments sharing $DSPINE_HOME do not rebuild each other's kernels
+    h.update(f"{torch.__version__}|{Path(torch.__file__).resolve().parent}|{sys.version_info[:2]}|"
+             f"{machine_key()}".encode())
     return h.hexdigest()[:12]
 
 
@@ -53,8 +56,8 @@ def kernels(progress: bool = True):
     build.mkdir(parents=True, exist_ok=True)
     first = not any(build.glob("*.so"))
     if first and progress:
-        print("dspine: compiling the block-quantized linear kernels for this machine (once; ~1 min)",
-              file=sys.stderr, flush=True)
+        print("dspine: compiling the blockq linear kernels for this machine and torch install (once; "
+              "~40 s-1 min)", file=sys.stderr, flush=True)
     try:
         from torch.utils.cpp_extension import load
 
@@ -63,6 +66,9 @@ def kernels(progress: bool = True):
         _STATE["mod"], _STATE["why"] = mod, None
     except Exception as e:  # no compiler, no ninja, headers missing: the backend is not offered
         _STATE["mod"], _STATE["why"] = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+        if progress:
+            print(f"dspine: the blockq kernels could not be built here ({_STATE['why']}); the target's "
+                  f"linears use PyTorch/oneDNN instead", file=sys.stderr, flush=True)
     return _STATE["mod"]
 
 
@@ -176,6 +182,48 @@ def pack_blocks(model: nn.Module, rows: int = 1, wrap: tuple[type, ...] = (nn.Li
             setattr(mod, name, BlockQLinear(ch, blocks, rows))
             counts["q4" if len(blocks) == 3 else "q8"] += 1
     return counts
+
+
+def choose_rows(model: nn.Module, sizes: tuple[int, ...] = (MAX_ROWS, 4), repeats: int = 2) -> int:
+    """Set (and return) the most rows the kernels take in ``model``'s :class:`BlockQLinear`
+    layers: the largest of ``sizes`` at which one pass over all those layers ran faster on the
+    kernels than on the inner layers (oneDNN on packed float32 weights), measured here with
+    the weights streaming from memory as in a real forward (best of ``repeats``; ~0.3-1 s on
+    2 cores). A one-token step always takes the kernels. Where oneDNN's GEMM is faster (more
+    cores, AVX-512), verifications stay on it."""
+    import time
+
+    layers = [m for m in model.modules() if isinstance(m, BlockQLinear)]
+    if not layers:
+        return 0
+    seen, uniq = set(), []
+    for m in layers:  # a tied layer once
+        if m.b0.data_ptr() not in seen:
+            seen.add(m.b0.data_ptr())
+            uniq.append(m)
+
+    def best_s(fn):
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    rows = 1
+    with torch.no_grad():
+        for r in sorted(sizes, reverse=True):
+            xs = {k: torch.randn(r, k) for k in {m.in_features for m in uniq}}
+            for m in uniq:
+                m.rows = r
+            kern = best_s(lambda: [m(xs[m.in_features]) for m in uniq])
+            inner = best_s(lambda: [m.inner(xs[m.in_features]) for m in uniq])
+            if kern <= inner:
+                rows = r
+                break
+    for layer in layers:
+        layer.rows = rows
+    return rows
 
 
 def unpack_blocks(model: nn.Module) -> int:

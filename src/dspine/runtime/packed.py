@@ -131,7 +131,7 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
         ValueError: unknown backend (naming ``--linear-backend``), or a oneDNN backend where
             it cannot run (:func:`pack_linears`); the model is then left on ``aten``.
     """
-    from .blockq import MAX_ROWS, pack_blocks, unpack_blocks
+    from .blockq import MAX_ROWS, choose_rows, pack_blocks, unpack_blocks
     from .layout import set_column_major
 
     if backend not in LINEAR_BACKENDS:
@@ -161,19 +161,23 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
             set_linear_backend(model, "aten")
             raise ValueError("--linear-backend blockq: no linear layer of this target holds exact Q4_1/Q8_0 "
                              "blocks (only targets converted from such a GGUF do); use another backend")
+        choose_rows(model)  # how many rows the kernels take here; more go to oneDNN
 
 
-def available_backends(target) -> tuple[str, ...]:
+def available_backends(target, blockq: bool = True) -> tuple[str, ...]:
     """The backends that can run ``target`` here: the four PyTorch/oneDNN ones for a dense CPU
     float32/bfloat16 target on a torch with oneDNN, and ``blockq`` too where
-    :func:`blockq_available`; ``aten``/``transposed`` without oneDNN; only ``aten`` for CUDA
-    and hybrid (Gated-DeltaNet) targets."""
+    :func:`blockq_available` (``blockq=False``: not asked, so its kernels are neither built
+    nor loaded); ``aten``/``transposed`` without oneDNN; only ``aten`` for CUDA and hybrid
+    (Gated-DeltaNet) targets."""
     if target.device.type != "cpu" or target.dtype not in (torch.float32, torch.bfloat16) \
             or target.hybrid is not None:
         return ("aten",)
     if not onednn_available():
         return ("aten", "transposed")
-    return LINEAR_BACKENDS if blockq_available(target) else tuple(b for b in LINEAR_BACKENDS if b != "blockq")
+    if blockq and blockq_available(target):
+        return LINEAR_BACKENDS
+    return tuple(b for b in LINEAR_BACKENDS if b != "blockq")
 
 
 def blockq_available(target) -> bool:
@@ -202,7 +206,7 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     if len(names) == 1:
         return Choice("linear", "aten", {}, "only dense CPU float32/bfloat16 targets change linear backend")
     cfg = target.config
-    key = (f"linear2:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
+    key = (f"linear3:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
            f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')},"
            f"backends={'/'.join(names)},runtime={getattr(target, 'runtime_name', 'hf')}")
     V = target.vocab_size
@@ -246,11 +250,18 @@ def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
         raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
     if backend == "auto":
         backend = choose_linear_backend(target, progress=progress).chosen
-    elif backend not in available_backends(target):
+    elif backend not in available_backends(target, blockq=backend == "blockq"):
+        avail = available_backends(target, blockq=backend == "blockq")
+        why = ""
+        if backend == "blockq" and target.dtype == torch.float32 and target.device.type == "cpu":
+            from .blockq import unavailable_reason
+
+            why = (f"; its kernels could not be built: {unavailable_reason()}" if unavailable_reason() else
+                   "; this target's weights hold no exact Q4_1/Q8_0 blocks (only targets converted from "
+                   "such a GGUF do)")
         raise ValueError(f"--linear-backend {backend}: not available for this target here (a "
                          f"{str(target.dtype).replace('torch.', '')} {target.device.type} "
-                         f"{'hybrid ' if target.hybrid else ''}target; available: "
-                         f"{', '.join(available_backends(target))})")
+                         f"{'hybrid ' if target.hybrid else ''}target{why}; available: {', '.join(avail)})")
     set_linear_backend(target.model, backend)
     target.linear_backend = backend
     return backend
