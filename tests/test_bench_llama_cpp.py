@@ -69,6 +69,19 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 
+def write_gguf(path: Path, layers: int, hidden: int, arch: str = "llama") -> None:
+    """A metadata-only GGUF (no tensors): enough for the shape check; the fake server ignores it."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_embedding_length(hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 @pytest.fixture
 def fake(tmp_path, monkeypatch, tiny256):
     """(server path, gguf path, env setter) for the fake llama-server over ``tiny256``."""
@@ -77,7 +90,7 @@ def fake(tmp_path, monkeypatch, tiny256):
     srv.write_text(FAKE_SERVER.format(python=sys.executable))
     srv.chmod(0o755)
     gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF fake weights")
+    write_gguf(gguf, tiny256.config.num_hidden_layers, tiny256.config.hidden_size)
     monkeypatch.delenv("DSPINE_LLAMA_CPP", raising=False)
     monkeypatch.setenv("FAKE_PROBE", json.dumps(list(tiny256.tokenizer.encode(PROBE_TEXT, add_special_tokens=False))))
     monkeypatch.setenv("FAKE_PIDFILE", str(tmp_path / "pids"))
@@ -176,6 +189,15 @@ def test_runner_refuses_a_gguf_of_another_model(fake, tiny256, tmp_path, monkeyp
         LlamaCppRunner(tiny256, "llama-cpp", str(srv), str(gguf))
     time.sleep(0.2)
     assert not _alive(int((tmp_path / "pids").read_text().split()[0]))  # stopped on the refusal
+    other = tmp_path / "drafter.gguf"  # same tokenizer, another model (e.g. a 2-layer drafter)
+    write_gguf(other, 2, tiny256.config.hidden_size, arch="dflash")
+    monkeypatch.setenv("FAKE_PROBE", json.dumps(list(tiny256.tokenizer.encode(PROBE_TEXT, add_special_tokens=False))))
+    with pytest.raises(BenchError, match="another shape.*layers 2 vs"):
+        LlamaCppRunner(tiny256, "llama-cpp", str(srv), str(other))
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    with pytest.raises(BenchError, match="not a readable GGUF"):
+        LlamaCppRunner(tiny256, "llama-cpp", str(srv), str(text))
     with pytest.raises(BenchError, match="no GGUF"):
         LlamaCppRunner(tiny256, "llama-cpp", str(srv), None)
     with pytest.raises(BenchError, match="no such file"):
@@ -202,6 +224,21 @@ def test_bench_run_with_the_llama_cpp_peer(fake, tiny256, tmp_path, monkeypatch,
     assert "| 1/1 |" in [l for l in report.splitlines() if l.startswith("| dspine |")][-1]
     assert any("other rounding" in n for n in s["notes"])
     assert all(not _alive(int(p)) for p in (tmp_path / "pids").read_text().split())  # the server is stopped
+
+
+def test_a_refused_rerun_keeps_the_earlier_results(fake, tiny256, tmp_path):
+    srv, gguf = fake
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text("{}\n")
+    cfg = H.BenchConfig(target="random:llama", modes=("ar", "llama-cpp"), settings=(H.GREEDY,),
+                        llama_cpp=str(tmp_path / "missing"), gguf=str(gguf))
+    with pytest.raises(BenchError, match="--llama-cpp"):
+        H.run_bench(cfg, out, progress=False, plots=False, target=tiny256, overwrite=True)
+    assert (out / "results.jsonl").read_text() == "{}\n"  # nothing deleted before the settings passed
+    with pytest.raises(BenchError, match="concurrency 1 only"):
+        H.Harness(H.BenchConfig(target="random:llama", modes=("ar", "llama-cpp"), concurrency=(2,),
+                                settings=(H.GREEDY,), llama_cpp=str(srv), gguf=str(gguf)), target=tiny256)
 
 
 def test_llama_options_need_a_llama_mode(tiny256):

@@ -119,6 +119,16 @@ def test_blockq_is_offered_only_for_block_exact_targets(tiny256, monkeypatch):
         set_linear_backend(tiny256.model, "blockq")
 
 
+def test_a_failed_build_is_remembered(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path))
+    monkeypatch.setattr(B, "_STATE", {})
+    d = tmp_path / "kernels" / f"blockq-{B._build_key()}"
+    d.mkdir(parents=True)
+    (d / "FAILED").write_text("CalledProcessError: no compiler\n")
+    assert B.kernels(progress=False) is None
+    assert "no compiler" in B.unavailable_reason() and "to retry" in B.unavailable_reason()
+
+
 def test_other_backends_never_build_the_kernels(tiny256, monkeypatch):
     def boom(progress=True):
         raise AssertionError("blockq kernels built for another backend")

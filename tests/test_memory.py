@@ -123,7 +123,10 @@ def test_estimate_matches_measured_real_target():
     assert cb.numel() * cb.element_size() == rep["codebook"]
     # quantized coarse head copy + scales
     assert prop.qhead.nbytes() == rep["quantized_head"] + rep["quantized_head_scales"]
-    # draft context K/V after the long prompt: ring buffer bounded at the window
+    # draft context K/V after the long prompt: ring buffer bounded at the window (commits are
+    # lazy: the pending features count until the drafter next reads its context)
+    assert req.draft_state.nbytes() > req.draft_state.kv_bytes() == 0
+    req.draft_state.flush()
     assert req.draft_state.nbytes() == rep["draft_kv_ring"] == 96 * rep["draft_kv_per_position"]
     # dense pool: the same features kept for every position
     feats = smol.forward(torch.tensor([prompt]), None, prop.feature_layers).features[0]
@@ -138,6 +141,7 @@ def test_estimate_matches_measured_real_target():
         eng.step(req)
         rep2 = estimate(drafter.cfg, spec, context=req.position, dtype="float32")
         assert req.cache.nbytes() == rep2["target_kv"]
+        req.draft_state.flush()
         assert req.draft_state.nbytes() == rep2["draft_kv_ring"]  # flat past the window
     # bf16 halves every dtype-sized part; the quantized head stays 1 byte per element
     half = estimate(drafter.cfg, spec, context=160, dtype="bfloat16")

@@ -293,6 +293,10 @@ class Harness:
             tree = TreeSpec(cfg.tree_budget, parse_tree_shape(cfg.tree_shape), size=cfg.tree_size)
         except ValueError as e:
             raise BenchError(str(e)) from None
+        peers = [m for m in cfg.modes if m not in ENGINE_MODES]
+        if peers and 1 not in cfg.concurrency:
+            raise BenchError(f"--modes {','.join(peers)} run at concurrency 1 only (one sequence at a time); "
+                             f"add 1 to --concurrency {','.join(map(str, cfg.concurrency))} or drop them")
         if (cfg.llama_cpp or cfg.gguf) and not set(LLAMA_MODES) & set(cfg.modes):
             raise BenchError(f"--llama-cpp / --gguf are for --modes {' / '.join(LLAMA_MODES)}, which this run "
                              f"does not measure ({', '.join(cfg.modes)})")
@@ -457,10 +461,10 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plot
         raise BenchError(f"--out {out_dir} already holds the results of an earlier run "
                          f"({', '.join(p.name for p in prev)}); pass --overwrite to replace them "
                          f"or choose another --out")
+    t0 = time.perf_counter()
+    h = Harness(cfg, target=target)  # every setting is checked before the earlier run's files go
     for p in prev:  # --overwrite: no file of the earlier run survives beside the new ones
         p.unlink()
-    t0 = time.perf_counter()
-    h = Harness(cfg, target=target)
     try:
         rows = h.run(out_dir, progress=progress)
     finally:

@@ -88,6 +88,43 @@ def default_gguf(target) -> Path | None:
     return None
 
 
+def gguf_shape(path: Path) -> dict:
+    """``{"architecture", "layers", "hidden"}`` from a GGUF's metadata (the ``gguf`` package).
+
+    Raises:
+        BenchError: the file is not a readable GGUF (named ``--gguf``).
+    """
+    try:
+        from gguf import GGUFReader
+
+        r = GGUFReader(str(path))
+
+        def get(key):
+            f = r.fields.get(key)
+            return None if f is None else f.parts[f.data[0]]
+
+        arch = bytes(get("general.architecture")).decode()
+        layers, hidden = get(f"{arch}.block_count"), get(f"{arch}.embedding_length")
+        return {"architecture": arch, "layers": int(layers[0]) if layers is not None else None,
+                "hidden": int(hidden[0]) if hidden is not None else None}
+    except Exception as e:  # not a GGUF, truncated, unknown layout
+        raise BenchError(f"--gguf {path}: not a readable GGUF ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def check_gguf_matches(path: Path, target) -> dict:
+    """Refuse a GGUF whose layer count or hidden size differ from the target's (a drafter's
+    or another model's GGUF can share the tokenizer). Returns :func:`gguf_shape`."""
+    shape = gguf_shape(path)
+    cfg = target.config
+    want = {"layers": getattr(cfg, "num_hidden_layers", None), "hidden": getattr(cfg, "hidden_size", None)}
+    bad = [f"{k} {shape[k]} vs {v}" for k, v in want.items() if v is not None and shape[k] != v]
+    if bad:
+        raise BenchError(f"--gguf {path}: a {shape['architecture']} model of another shape than target "
+                         f"{target.name!r} ({', '.join(bad)}); pass a GGUF of the target itself "
+                         f"(`dspine export --format target-gguf`)")
+    return shape
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,6 +144,7 @@ class LlamaServer:
                  log: Path | None = None):
         self.binary, self.gguf, self.threads, self.ctx, self.extra = binary, gguf, threads, ctx, tuple(extra)
         self.log = log
+        self._own_log = log is None
         self.proc: subprocess.Popen | None = None
         self.base = ""
         self.load_s = None
@@ -146,7 +184,7 @@ class LlamaServer:
             except (OSError, urllib.error.URLError):
                 pass
             if time.perf_counter() - t0 > timeout_s:
-                self.close()
+                self.close(keep_log=True)
                 raise BenchError(f"llama-server did not answer /health within {timeout_s:.0f} s (log {self.log})")
             time.sleep(0.2)
         self.load_s = time.perf_counter() - t0
@@ -165,7 +203,9 @@ class LlamaServer:
         with urllib.request.urlopen(self.base + path, timeout=30) as r:
             return json.loads(r.read())
 
-    def close(self) -> None:
+    def close(self, keep_log: bool = False) -> None:
+        """Stop the server; its log (a temporary file unless ``log`` was given) is removed
+        unless ``keep_log`` (a failed start keeps it for the error message)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -173,6 +213,8 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._own_log and not keep_log and self.log is not None:
+            Path(self.log).unlink(missing_ok=True)
 
 
 class LlamaCppRunner(Runner):
@@ -212,6 +254,7 @@ class LlamaCppRunner(Runner):
         self.gguf = g
         from ..assets import sha256_file
 
+        self.gguf_shape = check_gguf_matches(g, target)
         self.gguf_sha256 = sha256_file(g)
         self.n_threads = int(threads or torch.get_num_threads())
         self.server = LlamaServer(self.binary, g, self.n_threads, ctx,
@@ -246,7 +289,7 @@ class LlamaCppRunner(Runner):
         d.update(weights=f"gguf:{self.gguf_sha256[:16]}", dtype=self.ftype.lower(), device="cpu",
                  threads=self.n_threads,
                  external_weights={"engine": "llama.cpp", "gguf": self.gguf.name, "ftype": self.ftype,
-                                   "sha256": self.gguf_sha256})
+                                   "sha256": self.gguf_sha256, **self.gguf_shape})
         return d
 
     def info(self) -> dict:

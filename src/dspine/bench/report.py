@@ -216,9 +216,10 @@ def summarize(rows: list[dict], cfg: dict | None = None, skipped: list | None = 
         if diff:
             notes.append(f"The dspine and dflash drafters were trained differently ({', '.join(diff)}); "
                          f"spec s.10 compares them only after equal data, steps and compute.")
-    if cfg and any(c > 1 for c in cfg.get("concurrency", [1])) and any(m in ("hf", "hf-pld") for m in modes):
-        notes.append("hf and hf-pld are measured at concurrency 1 only (transformers' prompt-lookup "
-                     "generate serves one sequence at a time).")
+    peers = [m for m in modes if m in ("hf", "hf-pld", "llama-cpp", "llama-cpp-lookup")]
+    if cfg and any(c > 1 for c in cfg.get("concurrency", [1])) and peers:
+        notes.append(f"{', '.join(peers)}: measured at concurrency 1 only (transformers' generate and "
+                     f"llama.cpp's one server slot serve one sequence at a time).")
     for g in results:
         if g["cost_model"].get("flag"):
             notes.append(f"Cost model off by {100 * g['cost_model']['error']:+.0f}% for {g['mode']} on "

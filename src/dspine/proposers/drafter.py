@@ -110,9 +110,12 @@ class DraftContextCache:
         self.written += n
 
     def nbytes(self) -> int:
-        """Bytes of the K/V buffers (pending commits projected first, so the figure is the
-        state's real size)."""
-        self.flush()
+        """Bytes of the K/V buffers plus the features of pending commits (nothing is projected:
+        the server reads this after every cycle)."""
+        return sum(f.numel() * f.element_size() for f, _ in self.pending) + self.kv_bytes()
+
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V buffers alone."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def as_batch(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:

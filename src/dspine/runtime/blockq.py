@@ -27,6 +27,7 @@ from torch import nn
 
 QK = 32  # weights per block (GGUF's Q4_1 / Q8_0)
 MAX_ROWS = 16  # rows the kernels take at once (kernels/blockq.cpp)
+STALE_LOCK_S = 600.0  # a build lock older than this was left by a killed build (a build takes ~1 min)
 _SOURCE = Path(__file__).parent / "kernels" / "blockq.cpp"
 _STATE: dict = {}
 
@@ -54,6 +55,15 @@ def kernels(progress: bool = True):
     key = _build_key()
     build = dspine_home() / "kernels" / f"blockq-{key}"
     build.mkdir(parents=True, exist_ok=True)
+    failed = build / "FAILED"
+    if failed.exists():  # a failed build is not retried on every run (delete the folder to retry)
+        _STATE["mod"], _STATE["why"] = None, failed.read_text().strip() + f" (delete {build} to retry)"
+        return None
+    lock = build / "lock"  # torch's build lock; one left by a killed build would block every run
+    import time
+
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
     first = not any(build.glob("*.so"))
     if first and progress:
         print("dspine: compiling the blockq linear kernels for this machine and torch install (once; "
@@ -66,9 +76,13 @@ def kernels(progress: bool = True):
         _STATE["mod"], _STATE["why"] = mod, None
     except Exception as e:  # no compiler, no ninja, headers missing: the backend is not offered
         _STATE["mod"], _STATE["why"] = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+        try:
+            failed.write_text(_STATE["why"] + "\n")
+        except OSError:
+            pass
         if progress:
-            print(f"dspine: the blockq kernels could not be built here ({_STATE['why']}); the target's "
-                  f"linears use PyTorch/oneDNN instead", file=sys.stderr, flush=True)
+            print(f"dspine: note: the blockq kernels could not be built here ({_STATE['why']})",
+                  file=sys.stderr, flush=True)
     return _STATE["mod"]
 
 

@@ -164,7 +164,7 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
         choose_rows(model)  # how many rows the kernels take here; more go to oneDNN
 
 
-def available_backends(target, blockq: bool = True) -> tuple[str, ...]:
+def available_backends(target, blockq: bool = True, progress: bool = True) -> tuple[str, ...]:
     """The backends that can run ``target`` here: the four PyTorch/oneDNN ones for a dense CPU
     float32/bfloat16 target on a torch with oneDNN, and ``blockq`` too where
     :func:`blockq_available` (``blockq=False``: not asked, so its kernels are neither built
@@ -175,12 +175,12 @@ def available_backends(target, blockq: bool = True) -> tuple[str, ...]:
         return ("aten",)
     if not onednn_available():
         return ("aten", "transposed")
-    if blockq and blockq_available(target):
+    if blockq and blockq_available(target, progress=progress):
         return LINEAR_BACKENDS
     return tuple(b for b in LINEAR_BACKENDS if b != "blockq")
 
 
-def blockq_available(target) -> bool:
+def blockq_available(target, progress: bool = True) -> bool:
     """``blockq`` can run ``target``: float32 on the CPU, its first linear layer holds
     exact Q4_1/Q8_0 blocks, and the kernels build here (compiled on the first call)."""
     from .blockq import kernels, pack_q4, pack_q8
@@ -190,7 +190,7 @@ def blockq_available(target) -> bool:
     lin = next((m for m in target.model.modules() if isinstance(m, (nn.Linear, PackedLinear))), None)
     if lin is None or (pack_q8(lin.weight) is None and pack_q4(lin.weight) is None):
         return False
-    return kernels() is not None
+    return kernels(progress=progress) is not None
 
 
 def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: bool = True, context: int = 64):
@@ -202,7 +202,7 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     """
     from ..tune.choose import Choice, choose_fastest
 
-    names = available_backends(target)
+    names = available_backends(target, progress=progress)
     if len(names) == 1:
         return Choice("linear", "aten", {}, "only dense CPU float32/bfloat16 targets change linear backend")
     cfg = target.config
@@ -250,10 +250,12 @@ def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
         raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
     if backend == "auto":
         backend = choose_linear_backend(target, progress=progress).chosen
-    elif backend not in available_backends(target, blockq=backend == "blockq"):
-        avail = available_backends(target, blockq=backend == "blockq")
+    elif backend not in available_backends(target, blockq=backend == "blockq", progress=progress):
+        avail = available_backends(target, blockq=backend == "blockq", progress=False)
         why = ""
-        if backend == "blockq" and target.dtype == torch.float32 and target.device.type == "cpu":
+        if backend == "blockq" and (target.dtype != torch.float32 or target.device.type != "cpu"):
+            why = "; blockq runs float32 targets on the CPU only"
+        elif backend == "blockq":
             from .blockq import unavailable_reason
 
             why = (f"; its kernels could not be built: {unavailable_reason()}" if unavailable_reason() else
