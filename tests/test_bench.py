@@ -200,10 +200,28 @@ def test_earlier_results_are_not_overwritten_without_flag(tmp_path, capsys, monk
     class Started(Exception):
         pass
 
-    def harness(cfg, target=None):
-        raise Started
+    class Refused(Exception):
+        pass
 
-    monkeypatch.setattr(H, "Harness", harness)
+    def refusing(cfg, target=None):  # a setting refused while the harness is built
+        raise Refused
+
+    monkeypatch.setattr(H, "Harness", refusing)
+    with pytest.raises(Refused):  # nothing of the earlier run is deleted before the settings passed
+        H.run_bench(H.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
+    assert prev.exists() and (tmp_path / "speedup.png").exists()
+
+    class Accepted:
+        def __init__(self, cfg, target=None):
+            pass
+
+        def run(self, out, progress=True):
+            raise Started
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(H, "Harness", Accepted)
     with pytest.raises(Started):  # with --overwrite the check passes and the run starts
         H.run_bench(H.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
     assert not prev.exists() and not (tmp_path / "speedup.png").exists()  # no stale file of the earlier run

@@ -38,7 +38,7 @@ import torch
 
 from ..config import SamplingConfig
 from .fairness import BenchError
-from .runners import Runner, _cut_at_stop, _sampling_dict, _text
+from .runners import Runner, _sampling_dict, _text, finish_ids
 
 LLAMA_MODES = ("llama-cpp", "llama-cpp-lookup")
 #: llama-server's prompt-lookup settings of ``llama-cpp-lookup`` (draft up to 15 tokens after
@@ -339,14 +339,8 @@ class LlamaCppRunner(Runner):
             self.server.start()
             return {"output_ids": [], "text": "", "finish_reason": "timeout", "prompt_tokens": len(prompt_ids),
                     "output_tokens": 0, "e2e_s": t_end - t0}
-        ids = [int(t) for t in r.get("tokens", [])]
-        eos = self.target.eos_token_ids
-        finish = "length"
-        cut = next((i for i, t in enumerate(ids) if t in eos), None)
-        if cut is not None:
-            ids, finish = ids[:cut + 1], "stop"
-        ids, hit = _cut_at_stop(tok, ids, stop)
-        if hit or r.get("stop_type") in ("eos", "word"):
+        ids, finish = finish_ids(tok, [int(t) for t in r.get("tokens", [])], self.target.eos_token_ids, stop)
+        if r.get("stop_type") in ("eos", "word"):
             finish = "stop"
         t = r.get("timings", {})
         ttft = float(t.get("prompt_ms", 0.0)) / 1e3

@@ -105,6 +105,17 @@ def _cut_at_stop(tok, ids: list[int], stop: list[str]) -> tuple[list[int], bool]
     return ids, True
 
 
+def finish_ids(tok, ids: list[int], eos, stop: list[str]) -> tuple[list[int], str]:
+    """An external generator's ids cut as the Engine cuts them: after the first EOS id, then
+    at the shortest prefix whose text holds a stop string. Returns (ids, "stop" | "length")."""
+    finish = "length"
+    cut = next((i for i, t in enumerate(ids) if t in eos), None)
+    if cut is not None:
+        ids, finish = ids[:cut + 1], "stop"
+    ids, hit = _cut_at_stop(tok, ids, stop)
+    return ids, "stop" if hit else finish
+
+
 def _text(tok, ids: list[int], stop: list[str]) -> str:
     text = tok.decode(ids, skip_special_tokens=True)
     cut = [text.find(s) for s in stop if s in text]
@@ -394,15 +405,7 @@ class HFRunner(Runner):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t_end = time.perf_counter()
-        ids = [int(t) for t in out[0, n_prompt:].tolist()]
-        eos = self.target.eos_token_ids
-        finish = "length"
-        cut = next((i for i, t in enumerate(ids) if t in eos), None)
-        if cut is not None:
-            ids, finish = ids[:cut + 1], "stop"
-        ids, hit = _cut_at_stop(tok, ids, stop)
-        if hit:
-            finish = "stop"
+        ids, finish = finish_ids(tok, [int(t) for t in out[0, n_prompt:].tolist()], self.target.eos_token_ids, stop)
         if finish == "length" and len(ids) < max_new_tokens and t_end - t0 >= timeout_s:
             finish = "timeout"
         puts = streamer.puts
