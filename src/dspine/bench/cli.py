@@ -12,7 +12,7 @@ Full run (documented command; hours on a 2-core CPU, minutes on a GPU)::
 
 With llama.cpp beside (a build of ``llama-server``; the GGUF defaults to the target's own)::
 
-    dspine bench --modes ar,dspine,llama-cpp,llama-cpp-lookup --llama-cpp LLAMA_CPP_DIR \
+    dspine bench --modes ar,dspine,llama-cpp,llama-cpp-lookup --llama-cpp LLAMA_CPP_DIR \\
         [--gguf smollm2-f16.gguf] --out benchmarks/llama-cpp
 
 Writes ``results.jsonl`` (one row per request, environment included), ``summary.json``,
