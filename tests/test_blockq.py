@@ -155,6 +155,44 @@ def test_kernel_rows_follow_a_measurement(monkeypatch):
     assert B.choose_rows(model) == 1
 
 
+def test_switching_backends_reuses_blocks_and_measured_rows(monkeypatch):
+    """Measuring the linear backend switches back and forth: blockq rescans no weight and
+    measures its rows once per model; a weight modified in place is packed again."""
+    _kernels_or_skip()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    for lin in model:
+        lin.weight.data.copy_(q4_weight(lin.out_features, lin.in_features))
+    calls = {"scan": 0, "rows": 0}
+    real_q4, real_rows = B.pack_q4, B.choose_rows
+
+    def counted_q4(w):
+        calls["scan"] += 1
+        return real_q4(w)
+
+    def counted_rows(m, *a, **k):
+        calls["rows"] += 1
+        return real_rows(m, *a, **k)
+    monkeypatch.setattr(B, "pack_q4", counted_q4)
+    monkeypatch.setattr(B, "choose_rows", counted_rows)
+    x = torch.randn(1, 64)
+    set_linear_backend(model, "blockq")
+    y = model(x)
+    set_linear_backend(model, "blockq")  # already on it
+    set_linear_backend(model, "onednn")
+    set_linear_backend(model, "blockq")
+    assert calls == {"scan": 2, "rows": 1}
+    assert all(isinstance(m, B.BlockQLinear) for m in model) and torch.equal(model(x), y)
+    set_linear_backend(model, "aten")
+    with torch.no_grad():
+        model[0].weight.copy_(q4_weight(96, 64, seed=1))
+    set_linear_backend(model, "blockq")
+    assert calls == {"scan": 3, "rows": 1}
+    ref = model[1].inner(torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+    assert torch.allclose(model(x), ref, atol=1e-5, rtol=1e-5)
+    set_linear_backend(model, "aten")
+
+
 def test_real_target_packs_exactly_and_decodes_as_ar(smol):
     """The default target (from a Q4_1/Q8_0 GGUF): every linear packs; ar with blockq equals
     ar with PyTorch's linears, and the shipped DSpine drafter (cost policy, trees) equals ar

@@ -89,6 +89,23 @@ def test_real_timer_cuts_off_a_pathological_kernel():
     assert c.chosen == "fast" and calls["fast"] == 4 and calls["slow"] == 1
 
 
+def test_rounds_interleave_alternatives_and_take_the_median():
+    """With rounds > 1 each round times every alternative once in a rotated order, and a
+    drift of the load that slows one round (here the first two calls) does not decide."""
+    order, load = [], iter([9.0, 9.0] + [1.0] * 20)
+    base = {"a": 1.0, "b": 1.2, "c": 3.0}
+
+    def timer(name, fn, repeats, cap):
+        order.append(name)
+        return base[name] * next(load) / 1e3
+    c = choose_fastest("t:rounds", {n: (lambda: None) for n in base}, timer=timer, redo=True, rounds=3)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert c.chosen == "a" and c.times_ms["a"] == pytest.approx(1.0) and c.times_ms["b"] == pytest.approx(1.2)
+    # one round: the same drift makes the slower alternative win (what rounds are for)
+    load, order[:] = iter([9.0, 1.0, 1.0]), []
+    assert choose_fastest("t:rounds1", {n: (lambda: None) for n in base}, timer=timer, redo=True).chosen == "b"
+
+
 def test_choices_are_cached_per_machine_on_disk(disk_cache):
     t = fake_timer({"a": 2.0, "b": 1.0})
     c1 = choose_fastest("t:cache", {"a": lambda: None, "b": lambda: None}, timer=t)

@@ -172,6 +172,20 @@ class BlockQLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.kind}, rows<={self.rows}"
 
 
+def _blocks_of(w: torch.Tensor):
+    """:func:`pack_q4` or else :func:`pack_q8` of ``w``, remembered on ``w`` itself until it
+    is modified in place (its ``_version`` moves), so switching backends does not rescan."""
+    hit = getattr(w, "_dspine_blocks", None)
+    if hit is not None and hit[0] == w._version:
+        return hit[1]
+    blocks = pack_q4(w) or pack_q8(w)
+    try:
+        w._dspine_blocks = (w._version, blocks)
+    except (AttributeError, RuntimeError):
+        pass
+    return blocks
+
+
 def pack_blocks(model: nn.Module, rows: int = 1, wrap: tuple[type, ...] = (nn.Linear,)) -> dict:
     """Wrap every linear of ``model`` (a module of exactly one of the ``wrap`` types, e.g. also
     :class:`~dspine.runtime.packed.PackedLinear`) whose weight packs exactly (:func:`pack_q4`,
@@ -188,7 +202,7 @@ def pack_blocks(model: nn.Module, rows: int = 1, wrap: tuple[type, ...] = (nn.Li
                 continue
             key = ch.weight.data_ptr()
             if key not in seen:
-                seen[key] = pack_q4(ch.weight) or pack_q8(ch.weight)
+                seen[key] = _blocks_of(ch.weight)
             blocks = seen[key]
             if blocks is None:
                 counts["kept"] += 1

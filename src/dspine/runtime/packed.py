@@ -134,8 +134,12 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
     from .blockq import MAX_ROWS, choose_rows, pack_blocks, unpack_blocks
     from .layout import set_column_major
 
+    from .blockq import BlockQLinear
+
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
+    if backend == "blockq" and any(isinstance(m, BlockQLinear) for m in model.modules()):
+        return  # already on it (switching back and forth while measuring costs nothing)
     unpack_blocks(model)  # blockq wraps the packed layers; rebuilt below when asked for again
     want_packed = backend in ("onednn", "mixed", "blockq")
     packs = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -161,7 +165,13 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
             set_linear_backend(model, "aten")
             raise ValueError("--linear-backend blockq: no linear layer of this target holds exact Q4_1/Q8_0 "
                              "blocks (only targets converted from such a GGUF do); use another backend")
-        choose_rows(model)  # how many rows the kernels take here; more go to oneDNN
+        rows = getattr(model, "_dspine_blockq_rows", None)
+        if rows is None:  # how many rows the kernels take here (more go to oneDNN): measured once per model
+            model._dspine_blockq_rows = choose_rows(model)
+        else:
+            for m in model.modules():
+                if isinstance(m, BlockQLinear):
+                    m.rows = rows
 
 
 def available_backends(target, blockq: bool = True, progress: bool = True) -> tuple[str, ...]:
@@ -198,7 +208,9 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     on this machine and return the :class:`dspine.tune.choose.Choice` (cached per machine,
     target shape and dtype). The time of an alternative is a one-token step plus a
     16-token verification after a ``context``-token prefix: the two forwards speculative
-    decoding alternates between. The target is left with ``aten`` linears.
+    decoding alternates between; the median of 3 rounds that each time every backend in a
+    rotated order (the margins can be ~10%, so a drift of the load must not decide). The
+    target is left with ``aten`` linears.
     """
     from ..tune.choose import Choice, choose_fastest
 
@@ -206,7 +218,7 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     if len(names) == 1:
         return Choice("linear", "aten", {}, "only dense CPU float32/bfloat16 targets change linear backend")
     cfg = target.config
-    key = (f"linear3:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
+    key = (f"linear4:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
            f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')},"
            f"backends={'/'.join(names)},runtime={getattr(target, 'runtime_name', 'hf')}")
     V = target.vocab_size
@@ -232,7 +244,7 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
 
     try:
         return choose_fastest(key, {b: run(b) for b in names}, timer=timer or timed, redo=redo,
-                              repeats=5, progress=progress,
+                              repeats=3, rounds=3, progress=progress,
                               what="the target's linear backend (" + " vs ".join(names) + ")")
     finally:
         set_linear_backend(target.model, "aten")

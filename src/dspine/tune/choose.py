@@ -76,7 +76,7 @@ def cached_choice(key: str, names, device="cpu") -> Choice | None:
 
 def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, repeats: int = 3,
                    cutoff: float = 4.0, timer: Timer | None = None, device="cpu", redo: bool = False,
-                   progress: bool = False, what: str = "") -> Choice:
+                   progress: bool = False, what: str = "", rounds: int = 1) -> Choice:
     """Choose the fastest of ``alternatives`` (name -> zero-argument callable).
 
     Args:
@@ -89,6 +89,9 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
         redo: measure again even when cached.
         progress: print one line on stderr while measuring.
         what: words for that line (e.g. "drafter candidate pass, 15 rows").
+        rounds: with more than 1, every alternative is timed once per round, in an order
+            rotated per round, and its time is the median over rounds: a drift of the
+            machine's load then hits every alternative alike (for close alternatives).
     Raises:
         ValueError: no alternatives, or every alternative failed.
     """
@@ -109,14 +112,20 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
     times: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     best = float("inf")
-    for name, fn in alternatives.items():
-        try:
-            s = float(timer(name, fn, repeats, cutoff * best))
-        except Exception as e:  # an unsupported kernel on this CPU/torch: not a choice
-            times[name], errors[name] = None, f"{type(e).__name__}: {e}"[:200]
-            continue
-        times[name] = s * 1e3
-        best = min(best, s)
+    names = list(alternatives)
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(max(1, int(rounds))):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in errors:
+                continue
+            try:
+                s = float(timer(name, alternatives[name], repeats, cutoff * best))
+            except Exception as e:  # an unsupported kernel on this CPU/torch: not a choice
+                times[name], errors[name] = None, f"{type(e).__name__}: {e}"[:200]
+                continue
+            per_round[name].append(s)
+            times[name] = statistics.median(per_round[name]) * 1e3
+            best = min(best, s)
     ok = {n: t for n, t in times.items() if t is not None}
     if not ok:
         raise ValueError(f"tune {key}: every alternative failed: {errors}")
