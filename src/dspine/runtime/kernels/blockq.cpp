@@ -11,6 +11,9 @@
 // same float32 target with fewer bytes read per token; only the order of the sums differs
 // from PyTorch's GEMV.
 //
+// Paths: AVX-512 (16 weights per instruction) where the compiler targets it, else AVX2/FMA,
+// else scalar C++; each sums in its own order (all float32).
+//
 // x [M, K] float32 (contiguous), output [M, N] float32. Rows of the output are split over
 // ATen's intra-op threads (at::parallel_for).
 #include <torch/extension.h>
@@ -20,6 +23,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define DSPINE_AVX2 1
+#endif
+#if defined(DSPINE_AVX2) && defined(__AVX512F__)
+#define DSPINE_AVX512 1  // 16 weights per instruction where the compiler targets AVX-512 (-march=native)
 #endif
 
 namespace {
@@ -41,7 +47,54 @@ inline float hsum(__m256 v) {
 inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
                    float* y, int64_t N, int64_t n) {
   const int64_t nb = K / QK;
-#ifdef DSPINE_AVX2
+#if defined(DSPINE_AVX512)
+  // a block's 16 bytes: low nibbles are weights 0..15, high nibbles 16..31 (one zmm each)
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  if (M == 1) {  // two blocks per step into four independent sums (the FMA latency chain)
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+      const __m512 D0 = _mm512_set1_ps(d[b]), M0 = _mm512_set1_ps(m[b]);
+      const __m512 D1 = _mm512_set1_ps(d[b + 1]), M1 = _mm512_set1_ps(m[b + 1]);
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16 + 16));
+      const float* xr = x + b * QK;
+      a0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, low4))), D0, M0),
+                           _mm512_loadu_ps(xr), a0);
+      a1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                               _mm_and_si128(_mm_srli_epi16(b0, 4), low4))), D0, M0), _mm512_loadu_ps(xr + 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, low4))), D1, M1),
+                           _mm512_loadu_ps(xr + 32), a2);
+      a3 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                               _mm_and_si128(_mm_srli_epi16(b1, 4), low4))), D1, M1), _mm512_loadu_ps(xr + 48), a3);
+    }
+    for (; b < nb; ++b) {
+      const __m512 D = _mm512_set1_ps(d[b]), Mv = _mm512_set1_ps(m[b]);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      const float* xr = x + b * QK;
+      a0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))), D, Mv),
+                           _mm512_loadu_ps(xr), a0);
+      a1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low4))), D, Mv), _mm512_loadu_ps(xr + 16), a1);
+    }
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    return;
+  }
+  __m512 acc[MAX_ROWS];
+  for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 D = _mm512_set1_ps(d[b]), Mv = _mm512_set1_ps(m[b]);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))), D, Mv);
+    const __m512 w1 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4))), D, Mv);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * K + b * QK;
+      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]));
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(DSPINE_AVX2)
   __m256 acc[MAX_ROWS];
   for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
   const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -106,7 +159,51 @@ inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const
 inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, float* y, int64_t N,
                    int64_t n) {
   const int64_t nb = K / QK;
-#ifdef DSPINE_AVX2
+#if defined(DSPINE_AVX512)
+  if (M == 1) {  // two blocks per step into four independent sums (see q4_row)
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+      const __m512 D0 = _mm512_set1_ps(d[b]), D1 = _mm512_set1_ps(d[b + 1]);
+      const int8_t* qb = q + b * QK;
+      const float* xr = x + b * QK;
+      a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D0), _mm512_loadu_ps(xr), a0);
+      a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D0), _mm512_loadu_ps(xr + 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 32)))), D1), _mm512_loadu_ps(xr + 32), a2);
+      a3 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 48)))), D1), _mm512_loadu_ps(xr + 48), a3);
+    }
+    for (; b < nb; ++b) {
+      const __m512 D = _mm512_set1_ps(d[b]);
+      const int8_t* qb = q + b * QK;
+      const float* xr = x + b * QK;
+      a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D), _mm512_loadu_ps(xr), a0);
+      a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D), _mm512_loadu_ps(xr + 16), a1);
+    }
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    return;
+  }
+  __m512 acc[MAX_ROWS];
+  for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 D = _mm512_set1_ps(d[b]);
+    const int8_t* qb = q + b * QK;
+    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D);
+    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * K + b * QK;
+      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]));
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(DSPINE_AVX2)
   if (M == 1) {  // four independent sums (see q4_row)
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
@@ -202,6 +299,16 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
   return y;
 }
 
+std::string isa() {
+#if defined(DSPINE_AVX512)
+  return "avx512";
+#elif defined(DSPINE_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 bool avx2() {
 #ifdef DSPINE_AVX2
   return true;
@@ -213,5 +320,6 @@ bool avx2() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "x @ W^T for Q4_1-style blocks (float32 out)");
   mod.def("q8_linear", &q8_linear, "x @ W^T for Q8_0-style blocks (float32 out)");
-  mod.def("avx2", &avx2, "compiled with the AVX2/FMA path");
+  mod.def("avx2", &avx2, "compiled with the AVX2/FMA path (or the AVX-512 one)");
+  mod.def("isa", &isa, "the path compiled here: avx512, avx2 or scalar");
 }
