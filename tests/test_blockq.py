@@ -235,6 +235,8 @@ def test_sampled_distribution_exact_on_a_blockq_target(monkeypatch):
     t.eos_token_ids = frozenset()
     quantize_linears_(t.model)
     t.set_runtime("dense")
+    t.model._dspine_lean_rows = 16  # every verification on the lean path (not a timing)
     apply_linear_backend(t, "blockq")
     assert sum(isinstance(m, B.BlockQLinear) for m in t.model.modules()) > 0
+    assert t.runtime.decode_path == "lean"  # dspine.runtime.lean: every layer in one C++ call
     TD.check_exact_with_negative_control(t, monkeypatch)

@@ -454,6 +454,7 @@ class Engine:
                 "target_dtype": str(self.target.dtype).replace("torch.", ""),
                 "linear_backend": getattr(self.target, "linear_backend", "aten"),
                 "target_runtime": getattr(self.target, "runtime_name", "hf"),
+                "decode_path": getattr(getattr(self.target, "runtime", None), "decode_path", "python"),
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
                 "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None,
                 "draft_tree": self.tree_info()}

@@ -180,7 +180,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     drafter = getattr(proposer, "drafter", None)
     key = (id(target.model), target.name, str(target.device), str(target.dtype), n_max,
            id(drafter) if drafter is not None else id(proposer), context, getattr(target, "linear_backend", "aten"),
-           getattr(target, "runtime_name", "hf"))
+           getattr(target, "runtime_name", "hf"), getattr(getattr(target, "runtime", None), "decode_path", None))
     if use_cache and key in _COST_CACHE:
         return _COST_CACHE[key]
     disk_key = _disk_key(target, proposer, n_max, context, repeats) if use_cache else None
@@ -269,7 +269,7 @@ def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str |
         return None
     cfg = getattr(target, "config", None)
     parts = [target.name, str(target.dtype), str(target.device), getattr(target, "linear_backend", "aten"),
-             getattr(target, "runtime_name", "hf"),
+             getattr(target, "runtime_name", "hf"), getattr(getattr(target, "runtime", None), "decode_path", None),
              n_max, context, repeats,
              getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None), target.vocab_size]
     if drafter is not None:

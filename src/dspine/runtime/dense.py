@@ -149,6 +149,33 @@ class DenseRuntime:
         self.qk_norm = hasattr(att, "q_norm")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
+        self._lean = None  # (probe modules, LeanDecode or None): see lean_plan()
+
+    def lean_plan(self):
+        """The :class:`dspine.runtime.lean.LeanDecode` of the model's current linear layers,
+        or None where it cannot run (rebuilt when the linear backend changes the layers)."""
+        from .blockq import BlockQLinear
+
+        probe = (self.layers[0].self_attn.q_proj, self.layers[-1].mlp.down_proj)
+        if self._lean is not None and self._lean[0][0] is probe[0] and self._lean[0][1] is probe[1]:
+            return self._lean[1]
+        plan = None
+        if isinstance(probe[0], BlockQLinear):
+            from .lean import LeanDecode, lean_support
+
+            if lean_support(self) is None:
+                plan = LeanDecode(self)
+        self._lean = (probe, plan)
+        if plan is not None:
+            from .lean import choose_lean_rows
+
+            choose_lean_rows(self, plan)  # measured once per model
+        return plan
+
+    @property
+    def decode_path(self) -> str:
+        """``lean`` when few-row forwards run in one C++ call (:mod:`dspine.runtime.lean`), else ``python``."""
+        return "lean" if self.lean_plan() is not None else "python"
 
     def new_cache(self) -> DenseCache:
         return DenseCache(self)
@@ -179,6 +206,11 @@ class DenseRuntime:
         start = cache.seq_length()
         end = start + n
         cache._ensure(end)
+        lean = self.lean_plan() if n <= 16 else None
+        if lean is not None and n <= lean.rows:
+            x, by = lean.forward(self, input_ids, cache, start, list(feature_layers or ()), tree)
+            cache._stored = end
+            return self._finish(x, by, feature_layers, logits_to_keep)
         x = self.inner.embed_tokens(input_ids)
         if tree is None:
             pos = torch.arange(start, end, device=self.device)[None]
@@ -216,16 +248,20 @@ class DenseRuntime:
             if i in want:
                 feats.append((i, x))
         cache._stored = end
+        return self._finish(x, dict(feats), feature_layers, logits_to_keep)
+
+    def _finish(self, x: torch.Tensor, by: dict, feature_layers, logits_to_keep: int):
+        """Final norm, logits and features from the last layer's output ``x`` [1, n, D] and
+        ``by`` {layer: output} of the feature layers (see :meth:`forward`)."""
         last = self.num_layers - 1
-        if last in want:  # transformers' hidden_states[L] is the final norm's output
+        if last in by:  # transformers' hidden_states[L] is the final norm's output
             normed = self.inner.norm(x)
-            feats = [(i, normed if i == last else f) for i, f in feats]
+            by[last] = normed
             keep = normed if logits_to_keep <= 0 else normed[:, -logits_to_keep:]
         else:
             keep = self.inner.norm(x if logits_to_keep <= 0 else x[:, -logits_to_keep:])
         logits = self.model.lm_head(keep.contiguous())
         features = None
         if feature_layers:
-            by = dict(feats)
             features = torch.cat([by[l] for l in feature_layers], dim=-1)
         return logits, features

@@ -18,6 +18,8 @@
 // ATen's intra-op threads (at::parallel_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -299,6 +301,197 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
   return y;
 }
 
+// ---- the lean decode forward: every layer of a Llama-type target in one call --------------
+// For few-row forwards (a decode step, a verification) of a float32 target whose linears all
+// hold exact blocks: RMSNorm, q/k/v, rotary embedding, the K/V cache write, attention over
+// the cached prefix (causal, or a tree mask), o_proj, the residuals and the SiLU MLP, with
+// no Python between the operations. Each output row is computed on its own (the attention
+// of row r never depends on how many rows the call has); the linears are the kernels above.
+struct Lin {
+  torch::Tensor q, d, m;  // q4: q uint8 [N, K/2], d and m float32 [N, K/32]; q8: q int8 [N, K], d, m undefined
+  int64_t N = 0, K = 0;
+  bool q4 = true;
+};
+
+Lin make_lin(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
+  Lin l;
+  l.q = q; l.d = d; l.m = m; l.N = q.size(0);
+  l.q4 = q.scalar_type() == torch::kUInt8;
+  l.K = l.q4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
+                  d.numel() == l.N * (l.K / QK) && (!l.q4 || (m.is_contiguous() && m.numel() == d.numel())),
+              "blockq lean: malformed blocks");
+  return l;
+}
+
+// y [M, N] = x [M, K] W^T (y preallocated, row stride N)
+void lin_apply(const Lin& l, const float* x, int64_t M, float* y) {
+  const int64_t N = l.N, K = l.K, nb = K / QK;
+  if (l.q4) {
+    const uint8_t* qp = l.q.data_ptr<uint8_t>();
+    const float *dp = l.d.data_ptr<float>(), *mp = l.m.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t n = lo; n < hi; ++n) q4_row(x, M, K, qp + n * (K / 2), dp + n * nb, mp + n * nb, y, N, n);
+    });
+  } else {
+    const int8_t* qp = l.q.data_ptr<int8_t>();
+    const float* dp = l.d.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t n = lo; n < hi; ++n) q8_row(x, M, K, qp + n * K, dp + n * nb, y, N, n);
+    });
+  }
+}
+
+// out = w * (x * (1 / sqrt(mean(x^2) + eps))) per row, as transformers' LlamaRMSNorm in float32
+void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * D;
+    float ss = 0.0f;
+    for (int64_t j = 0; j < D; ++j) ss += xr[j] * xr[j];
+    const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
+    for (int64_t j = 0; j < D; ++j) out[r * D + j] = w[j] * (xr[j] * inv);
+  }
+}
+
+// rotate_half convention: y = x * cos + cat(-x[half:], x[:half]) * sin, per head of hd
+void rope(float* x, int64_t M, int64_t heads, int64_t hd, const float* cos, const float* sin) {
+  const int64_t half = hd / 2;
+  std::vector<float> tmp(hd);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + (r * heads + h) * hd;
+      const float *c = cos + r * hd, *s = sin + r * hd;
+      for (int64_t j = 0; j < half; ++j) tmp[j] = v[j] * c[j] - v[j + half] * s[j];
+      for (int64_t j = half; j < hd; ++j) tmp[j] = v[j] * c[j] + v[j - half] * s[j];
+      for (int64_t j = 0; j < hd; ++j) v[j] = tmp[j];
+    }
+}
+
+// sum of a[e] * b[e] in 16 interleaved partial sums (vectorized by the compiler)
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0.0f};
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16)
+    for (int t = 0; t < 16; ++t) acc[t] += a[e + t] * b[e + t];
+  float s = 0.0f;
+  for (; e < n; ++e) s += a[e] * b[e];
+  for (int t = 0; t < 16; ++t) s += acc[t];
+  return s;
+}
+
+struct LeanLlama {
+  std::vector<torch::Tensor> ln1, ln2;  // [D] float32 per layer
+  std::vector<Lin> lins;                 // 7 per layer: q, k, v, o, gate, up, down
+  int64_t L, D, H, KV, hd, I;
+  float eps, scaling;
+
+  LeanLlama(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> blocks, int64_t heads, int64_t kv_heads,
+            int64_t head_dim, double eps_, double scaling_)
+      : H(heads), KV(kv_heads), hd(head_dim), eps(float(eps_)), scaling(float(scaling_)) {
+    TORCH_CHECK(norms.size() % 2 == 0 && blocks.size() == norms.size() / 2 * 21, "blockq lean: 2 norms and 7 x 3 block tensors per layer");
+    L = int64_t(norms.size() / 2);
+    for (int64_t i = 0; i < L; ++i) {
+      ln1.push_back(norms[2 * i].contiguous());
+      ln2.push_back(norms[2 * i + 1].contiguous());
+      for (int j = 0; j < 7; ++j) lins.push_back(make_lin(blocks[i * 21 + j * 3], blocks[i * 21 + j * 3 + 1], blocks[i * 21 + j * 3 + 2]));
+    }
+    D = ln1[0].numel();
+    I = lins[4].N;
+    TORCH_CHECK(lins[0].N == H * hd && lins[1].N == KV * hd && lins[2].N == KV * hd && lins[3].N == D &&
+                    lins[5].N == I && lins[6].N == D && lins[0].K == D && lins[6].K == I && H % KV == 0,
+                "blockq lean: layer shapes do not match the heads");
+  }
+
+  // x [M, D] float32 (the embeddings; overwritten with the last layer's output); kc, vc
+  // [L, 1, KV, cap, hd] float32 (new K/V written at slots start..start+M-1); cos, sin [M, hd];
+  // mask: undefined (causal) or bool [M, start + M]. Returns the outputs of the layers in
+  // ``want`` (copies, [M, D] each).
+  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor kc, torch::Tensor vc, int64_t start,
+                                     torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
+                                     std::vector<int64_t> want) {
+    const int64_t M = x.size(0), end = start + M, cap = kc.size(3);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
+                    M >= 1 && M <= MAX_ROWS, "blockq lean: x must be contiguous float32 [1..16, D]");
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == L && kc.size(2) == KV && kc.size(4) == hd &&
+                    end <= cap && kc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes(),
+                "blockq lean: cache buffers do not match");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * hd && sin.numel() == M * hd,
+                "blockq lean: cos/sin must be contiguous [M, head_dim]");
+    const bool has_mask = mask.defined() && mask.numel() > 0;
+    if (has_mask)
+      TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.numel() == M * end,
+                  "blockq lean: mask must be contiguous bool [M, start + M]");
+    auto opt = x.options();
+    auto h = torch::empty({M, D}, opt), q = torch::empty({M, H * hd}, opt), k = torch::empty({M, KV * hd}, opt),
+         v = torch::empty({M, KV * hd}, opt), att = torch::empty({M, H * hd}, opt), y = torch::empty({M, D}, opt),
+         g = torch::empty({M, I}, opt), u = torch::empty({M, I}, opt);
+    float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(),
+          *vp = v.data_ptr<float>(), *ap = att.data_ptr<float>(), *yp = y.data_ptr<float>(), *gp = g.data_ptr<float>(),
+          *up = u.data_ptr<float>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
+    float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
+    const int64_t group = H / KV;
+    std::vector<torch::Tensor> feats;
+    for (int64_t i = 0; i < L; ++i) {
+      const Lin* w = &lins[i * 7];
+      rms_norm(xp, ln1[i].data_ptr<float>(), M, D, eps, hp);
+      lin_apply(w[0], hp, M, qp);
+      lin_apply(w[1], hp, M, kp);
+      lin_apply(w[2], hp, M, vp);
+      rope(qp, M, H, hd, cp, sp);
+      rope(kp, M, KV, hd, cp, sp);
+      float* kl = kcp + i * KV * cap * hd;
+      float* vl = vcp + i * KV * cap * hd;
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t c = 0; c < KV; ++c) {
+          std::copy(kp + (r * KV + c) * hd, kp + (r * KV + c + 1) * hd, kl + (c * cap + start + r) * hd);
+          std::copy(vp + (r * KV + c) * hd, vp + (r * KV + c + 1) * hd, vl + (c * cap + start + r) * hd);
+        }
+      at::parallel_for(0, M * H, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<float> p(end);
+        for (int64_t it = lo; it < hi; ++it) {
+          const int64_t r = it / H, hh = it % H, c = hh / group;
+          const float* qv = qp + (r * H + hh) * hd;
+          const float* kb = kl + c * cap * hd;
+          const float* vb = vl + c * cap * hd;
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < end; ++j) {
+            const bool ok = mp ? mp[r * end + j] : j <= start + r;
+            if (!ok) { p[j] = -INFINITY; continue; }
+            p[j] = dot(qv, kb + j * hd, hd) * scaling;
+            mx = std::max(mx, p[j]);
+          }
+          float sum = 0.0f;
+          for (int64_t j = 0; j < end; ++j) {
+            p[j] = p[j] == -INFINITY ? 0.0f : std::exp(p[j] - mx);
+            sum += p[j];
+          }
+          float* o = ap + (r * H + hh) * hd;
+          for (int64_t e = 0; e < hd; ++e) o[e] = 0.0f;
+          for (int64_t j = 0; j < end; ++j) {
+            if (p[j] == 0.0f) continue;
+            const float pj = p[j] / sum;
+            const float* vj = vb + j * hd;
+            for (int64_t e = 0; e < hd; ++e) o[e] += pj * vj[e];
+          }
+        }
+      });
+      lin_apply(w[3], ap, M, yp);
+      for (int64_t j = 0; j < M * D; ++j) xp[j] += yp[j];
+      rms_norm(xp, ln2[i].data_ptr<float>(), M, D, eps, hp);
+      lin_apply(w[4], hp, M, gp);
+      lin_apply(w[5], hp, M, up);
+      for (int64_t j = 0; j < M * I; ++j) gp[j] = gp[j] / (1.0f + std::exp(-gp[j])) * up[j];
+      lin_apply(w[6], gp, M, yp);
+      for (int64_t j = 0; j < M * D; ++j) xp[j] += yp[j];
+      for (int64_t f : want)
+        if (f == i) feats.push_back(x.clone());
+    }
+    return feats;
+  }
+};
+
 std::string isa() {
 #if defined(DSPINE_AVX512)
   return "avx512";
@@ -322,4 +515,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_linear", &q8_linear, "x @ W^T for Q8_0-style blocks (float32 out)");
   mod.def("avx2", &avx2, "compiled with the AVX2/FMA path (or the AVX-512 one)");
   mod.def("isa", &isa, "the path compiled here: avx512, avx2 or scalar");
+  pybind11::class_<LeanLlama>(mod, "LeanLlama")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
+                          double>())
+      .def("forward", &LeanLlama::forward);
 }

@@ -1,0 +1,166 @@
+"""The lean decode path (dspine.runtime.lean): every decoder layer of a few-row forward in
+one C++ call, on the dense runtime with ``--linear-backend blockq``.
+
+Proven like every other path: its logits and features agree with the Python path on the
+same weights (float32 summation order only), for one row, several rows and a draft tree,
+and a plan built with a wrong attention scale fails that comparison (negative control);
+greedy decoding on the real target equals ``ar`` (both on the lean path); the sampled
+distribution on a tiny block-exact target is exact (chi-square with a failing negative
+control, ``test_blockq.py``, asserted to run on this path).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dspine.config import SamplingConfig
+from dspine.engine import Engine
+from dspine.runtime import blockq as B
+from dspine.runtime import lean as L
+from dspine.runtime.packed import apply_linear_backend
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _kernels_or_skip():
+    if B.kernels(progress=False) is None:
+        pytest.skip(f"the blockq kernels cannot be built here: {B.unavailable_reason()}")
+
+
+@pytest.fixture
+def smol_lean(smol):
+    """The real target on the dense runtime with blockq linears (restored afterwards)."""
+    _kernels_or_skip()
+    smol.set_runtime("dense")
+    apply_linear_backend(smol, "blockq", progress=False)
+    try:
+        assert smol.runtime.decode_path == "lean"
+        yield smol
+    finally:
+        apply_linear_backend(smol, "aten", progress=False)
+        smol.set_runtime("hf")
+
+
+def _both_paths(t, ids, n, layers, tree=None, monkeypatch=None):
+    """(lean output, Python-path output) of the last ``n`` ids after the rest as prefix."""
+    rt = t.runtime
+    plan = rt.lean_plan()
+    outs = []
+    for rows in (16, 0):  # 0: every forward takes the Python path
+        plan.max_rows = rows
+        c = t.new_cache()
+        t.forward(ids[:, :-n], c, None, logits_to_keep=1)
+        outs.append(t.forward(ids[:, -n:], c, layers, tree=tree))
+    plan.max_rows = 16
+    return outs
+
+
+def _close(a, b, tol=2e-4) -> bool:
+    return torch.allclose(a.logits, b.logits, atol=tol, rtol=0) and torch.allclose(a.features, b.features, atol=tol,
+                                                                                     rtol=0)
+
+
+def test_lean_agrees_with_the_python_path_and_a_wrong_plan_does_not(smol_lean):
+    t = smol_lean
+    ids = torch.tensor(t.encode_prompt("Write a Python function that merges two sorted lists.", chat=True))[None]
+    layers = [1, 10, t.num_layers - 1]
+    for n in (1, 3, 16):
+        lean, py = _both_paths(t, ids, n, layers)
+        assert lean.logits.shape == py.logits.shape == (1, n, t.vocab_size)
+        assert _close(lean, py), (n, (lean.logits - py.logits).abs().max())
+        assert torch.equal(lean.logits.argmax(-1), py.logits.argmax(-1))
+    # a draft tree: root, two children of the root, one grandchild under the second
+    offsets = torch.tensor([0, 1, 1, 2])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    lean, py = _both_paths(t, ids, 4, layers, tree=(offsets, mask))
+    assert _close(lean, py)
+    # negative control: the same plan with a 1% wrong attention scale must not pass
+    rt = t.runtime
+    good = rt.lean_plan()
+    norms, blocks = [], []
+    for layer in rt.layers:
+        norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for part, name in L.PROJ:
+            lin = getattr(getattr(layer, part), name)
+            blocks += [lin.b0, lin.b1, lin.b2 if lin.kind == "q4" else torch.empty(0)]
+    bad = B.kernels().LeanLlama(norms, blocks, rt.n_heads, rt.n_kv, rt.head_dim,
+                                float(rt.layers[0].input_layernorm.variance_epsilon), float(rt.scaling) * 1.01)
+    impl, good.impl = good.impl, bad
+    try:
+        lean, py = _both_paths(t, ids, 3, layers)
+        assert not _close(lean, py)
+    finally:
+        good.impl = impl
+
+
+def test_greedy_equal_to_ar_on_the_lean_path(smol_lean):
+    """ar, and DSpine verifying full chains (16 rows) and trees of 8 nodes every cycle, on the
+    lean path: the same tokens, and the same as ar on the Python path."""
+    from dspine.cli import DEFAULT_CHECKPOINTS
+    from dspine.draft import DrafterProposer, load_drafter
+    from dspine.trees import TreeSpec
+
+    t = smol_lean
+    ids = t.encode_prompt("Write a Python function that returns the n-th Fibonacci number.", chat=True)
+    ref = Engine(t, None, "ar").generate(ids, SamplingConfig(), 40)
+    assert ref.stats.kernels["decode_path"] == "lean"
+    prop = DrafterProposer(load_drafter(DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", t))
+    for tree in (TreeSpec(0), TreeSpec(8)):
+        got = Engine(t, prop, "dspine", tree=tree).generate(ids, SamplingConfig(), 40)
+        assert got.token_ids == ref.token_ids and got.stats.accepted_length_mean > 1.0
+    plan = t.runtime.lean_plan()
+    plan.max_rows = 0
+    try:
+        assert Engine(t, None, "ar").generate(ids, SamplingConfig(), 40).token_ids == ref.token_ids
+    finally:
+        plan.max_rows = 16
+
+
+def test_lean_support_names_what_it_cannot_run(tiny256, monkeypatch):
+    _kernels_or_skip()
+    from test_blockq import quantize_linears_
+
+    from dspine.target import load_target
+
+    t = load_target("random:llama", vocab_size=256, seed=3)
+    t.set_runtime("dense")
+    assert "without exact blocks" in L.lean_support(t.runtime)  # aten linears
+    quantize_linears_(t.model)
+    apply_linear_backend(t, "blockq", progress=False)
+    assert L.lean_support(t.runtime) is None and t.runtime.decode_path == "lean"
+    monkeypatch.setenv("DSPINE_LEAN", "0")
+    t.runtime._lean = None
+    assert L.lean_support(t.runtime) == "DSPINE_LEAN=0" and t.runtime.decode_path == "python"
+    monkeypatch.delenv("DSPINE_LEAN")
+    lin = t.runtime.layers[0].self_attn.q_proj
+    lin.bias = nn.Parameter(torch.zeros(lin.out_features))
+    assert L.lean_support(t.runtime) == "linear biases"
+    with pytest.raises(ValueError, match="linear biases"):
+        L.LeanDecode(t.runtime)
+    apply_linear_backend(t, "aten", progress=False)
+    assert t.runtime.decode_path == "python"  # the plan follows the layers
+
+
+def test_lean_rows_follow_a_measurement():
+    _kernels_or_skip()
+    from test_blockq import quantize_linears_
+
+    from dspine.target import load_target
+
+    t = load_target("random:llama", vocab_size=256, seed=5)
+    quantize_linears_(t.model)
+    t.set_runtime("dense")
+    apply_linear_backend(t, "blockq", progress=False)
+    rt = t.runtime
+    for m in t.model.modules():
+        if isinstance(m, B.BlockQLinear):
+            m.rows = 4  # the kernels' own limit here
+    plan = rt.lean_plan()
+    kernel_rows = plan.first.rows
+    assert kernel_rows == 4
+    for fast, want in (({"lean": 1.0, "python": 2.0}, 16), ({"lean": 3.0, "python": 2.0}, kernel_rows)):
+        del t.model._dspine_lean_rows
+        got = L.choose_lean_rows(rt, plan, timer=lambda path, rows: fast[path])
+        assert got == want == plan.rows == t.model._dspine_lean_rows
+    assert L.choose_lean_rows(rt, plan, timer=lambda p, r: 1 / 0) == kernel_rows  # cached: not measured again
