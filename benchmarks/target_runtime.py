@@ -11,6 +11,8 @@ ratios within the same round and prompt. Greedy: the ids of every configuration 
 compared with ``ar`` on transformers' forward and PyTorch's linears (``hf/aten``), and
 within each backend DSpine must equal ``ar`` (checked).
 
+``-python`` backends: the same linears with the lean decode path off (:mod:`dspine.runtime.lean`).
+
 Usage: python benchmarks/target_runtime.py [--rounds 2] [--tokens 128] [--out benchmarks/target_runtime.json]
        [--configs "hf/aten ar,dense/mixed ar,dense/blockq ar,hf-generate,dense/mixed dspine,dense/blockq dspine"]
 """
@@ -33,6 +35,7 @@ from dspine.policy import make_policy
 from dspine.proposers import make_proposer
 from dspine.runtime.packed import apply_linear_backend
 from dspine.target import load_target
+from dspine.trees import TreeSpec
 from dspine.tune.machine import describe, machine_info
 
 PROMPTS = {  # held out of training and of the bench workloads (as benchmarks/linear_backend.py)
@@ -53,6 +56,9 @@ CONFIGS = [
     ("dense/mixed dspine", "dense", "mixed", "dspine"),
     ("dense/blockq ar", "dense", "blockq", "ar"),  # session 18: exact Q4_1/Q8_0 blocks (runtime/blockq.py)
     ("dense/blockq dspine", "dense", "blockq", "dspine"),
+    # session 19: blockq with the lean decode path off (runtime/lean.py): the Python layer loop
+    ("dense/blockq-python ar", "dense", "blockq-python", "ar"),
+    ("dense/blockq-python dspine", "dense", "blockq-python", "dspine"),
 ]
 
 
@@ -94,7 +100,10 @@ def main() -> None:
 
     def use(runtime: str, backend: str) -> None:
         t.set_runtime(runtime)
-        apply_linear_backend(t, backend, progress=False)
+        apply_linear_backend(t, backend.replace("-python", ""), progress=False)
+        plan = t.runtime.lean_plan() if t.runtime is not None else None
+        if plan is not None and backend.endswith("-python"):
+            plan.max_rows = 0  # every forward on the Python path
 
     engines = {}
     for label, rt, be, mode in CONFIGS:
@@ -103,7 +112,8 @@ def main() -> None:
             engines[label] = Engine(t, None, "ar")
         elif mode == "dspine":
             prop = make_proposer("hybrid", DrafterProposer(drafter))
-            engines[label] = Engine(t, prop, "dspine", verify_policy=make_policy("cost", t, prop))
+            engines[label] = Engine(t, prop, "dspine", verify_policy=make_policy("cost", t, prop),
+                                    tree=TreeSpec(16, size="cost"))  # the defaults (trees since session 19 here)
     # warm-up: one short run per configuration (the cost policies' first exploration included)
     warm = t.encode_prompt("Name three colours.", chat=True)
     for label, rt, be, mode in CONFIGS:
@@ -137,7 +147,8 @@ def main() -> None:
         same_as_ref[label] = sum(ids_of[(r, p, label)] == ids_of[(r, p, "hf/aten ar")]
                                  for r in range(a.rounds) for p in PROMPTS)
     for spec, ref in (("hf/onednn dspine", "hf/onednn ar"), ("dense/mixed dspine", "dense/mixed ar"),
-                      ("dense/blockq dspine", "dense/blockq ar")):
+                      ("dense/blockq dspine", "dense/blockq ar"),
+                      ("dense/blockq-python dspine", "dense/blockq-python ar")):
         if spec not in labels or ref not in labels:
             continue
         for r in range(a.rounds):
@@ -163,7 +174,9 @@ def main() -> None:
              ("dense/mixed dspine", "hf/onednn dspine"), ("dense/mixed dspine", "hf/aten ar"),
              ("hf/onednn dspine", "hf/onednn ar"), ("dense/blockq ar", "dense/mixed ar"),
              ("dense/blockq ar", "hf/aten ar"), ("dense/blockq ar", "hf-generate"),
-             ("dense/blockq dspine", "dense/blockq ar"), ("dense/blockq dspine", "dense/mixed ar")]
+             ("dense/blockq dspine", "dense/blockq ar"), ("dense/blockq dspine", "dense/mixed ar"),
+             ("dense/blockq ar", "dense/blockq-python ar"), ("dense/blockq dspine", "dense/blockq-python dspine"),
+             ("dense/blockq-python dspine", "dense/blockq-python ar"), ("dense/blockq dspine", "hf/aten ar")]
     pairs = [(x, y) for x, y in pairs if x in labels and y in labels]
     summary = {
         "machine": machine_info(), "machine_line": describe(), "load_avg_1m_start": load0,

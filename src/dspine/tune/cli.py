@@ -58,6 +58,15 @@ def cmd_tune(args) -> int:
                                        "converted from such a GGUF are), or it is not a float32 CPU target")
         report["blockq_unavailable"] = why
         say(f"  (blockq not offered: {why})")
+    rt = getattr(target, "runtime", None)
+    if rt is not None and hasattr(rt, "decode_path"):  # dspine.runtime.lean: few-row forwards in one C++ call
+        from ..runtime.lean import lean_support
+
+        plan = rt.lean_plan()
+        report["decode_path"] = rt.decode_path
+        say(f"  decode path: {rt.decode_path}" + (f" (every layer in one C++ call for forwards of up to {plan.rows} "
+                                                  f"rows, measured)" if plan is not None
+                                                  else f" (lean path not used: {lean_support(rt)})"))
     if prop is not None:
         cp = plan_candidate_pass(prop.drafter.head, prop.drafter.fc.weight.dtype, "auto", progress=not args.json)
         prop.qhead = cp
