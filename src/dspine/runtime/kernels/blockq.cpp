@@ -82,6 +82,24 @@ inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const
     y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
     return;
   }
+  if (M <= 4) {  // two sums per row: one FMA chain per row would bound few-row inputs
+    __m512 s0[4], s1[4];
+    for (int64_t r = 0; r < M; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 D = _mm512_set1_ps(d[b]), Mv = _mm512_set1_ps(m[b]);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))), D, Mv);
+      const __m512 w1 = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4))), D, Mv);
+      for (int64_t r = 0; r < M; ++r) {
+        const float* xr = x + r * K + b * QK;
+        s0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), s0[r]);
+        s1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), s1[r]);
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(s0[r], s1[r]));
+    return;
+  }
   __m512 acc[MAX_ROWS];
   for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -116,6 +134,27 @@ inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const
                            _mm256_loadu_ps(xr + 24), a3);
     }
     y[n] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    return;
+  }
+  if (M <= 4) {  // two sums per row: one FMA chain per row would bound few-row inputs
+    __m256 s0[4], s1[4];
+    for (int64_t r = 0; r < M; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 D = _mm256_set1_ps(d[b]), Mv = _mm256_set1_ps(m[b]);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      const __m128i lo = _mm_and_si128(bytes, low4);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), D, Mv);
+      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), D, Mv);
+      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), D, Mv);
+      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), D, Mv);
+      for (int64_t r = 0; r < M; ++r) {
+        const float* xr = x + r * K + b * QK;
+        s0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), s0[r]));
+        s1[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), s1[r]));
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) y[r * N + n] = hsum(_mm256_add_ps(s0[r], s1[r]));
     return;
   }
   for (int64_t b = 0; b < nb; ++b) {
@@ -191,7 +230,7 @@ inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const 
     return;
   }
   __m512 acc[MAX_ROWS];
-  for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < MAX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 D = _mm512_set1_ps(d[b]);
     const int8_t* qb = q + b * QK;
@@ -201,10 +240,15 @@ inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const 
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D);
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * K + b * QK;
-      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]));
+      if (M <= 4) {  // two sums per row (see q4_row): the second lives in acc[r + 8]
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+        acc[r + 8] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r + 8]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]));
+      }
     }
   }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+  for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(M <= 4 ? _mm512_add_ps(acc[r], acc[r + 8]) : acc[r]);
 #elif defined(DSPINE_AVX2)
   if (M == 1) {  // four independent sums (see q4_row)
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -221,7 +265,7 @@ inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const 
     return;
   }
   __m256 acc[MAX_ROWS];
-  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < MAX_ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256 D = _mm256_set1_ps(d[b]);
     const int8_t* qb = q + b * QK;
@@ -232,6 +276,12 @@ inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const 
     }
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * K + b * QK;
+      if (M <= 4) {  // two sums per row (see q4_row): the second lives in acc[r + 8]
+        acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r]));
+        acc[r + 8] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24),
+                                     _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r + 8]));
+        continue;
+      }
       __m256 a = acc[r];
       a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
       a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
@@ -240,7 +290,7 @@ inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const 
       acc[r] = a;
     }
   }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = hsum(acc[r]);
+  for (int64_t r = 0; r < M; ++r) y[r * N + n] = hsum(M <= 4 ? _mm256_add_ps(acc[r], acc[r + 8]) : acc[r]);
 #else
   std::vector<float> acc(M, 0.0f);
   for (int64_t b = 0; b < nb; ++b) {
