@@ -206,7 +206,7 @@ class DenseRuntime:
         start = cache.seq_length()
         end = start + n
         cache._ensure(end)
-        lean = self.lean_plan() if n <= 16 else None
+        lean = self.lean_plan()  # an identity check once built (a prefill builds it at the latest)
         if lean is not None and n <= lean.rows:
             x, by = lean.forward(self, input_ids, cache, start, list(feature_layers or ()), tree)
             cache._stored = end

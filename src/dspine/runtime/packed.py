@@ -278,4 +278,7 @@ def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
                          f"{'hybrid ' if target.hybrid else ''}target{why}; available: {', '.join(avail)})")
     set_linear_backend(target.model, backend)
     target.linear_backend = backend
+    rt = getattr(target, "runtime", None)
+    if rt is not None and hasattr(rt, "lean_plan"):
+        rt.lean_plan()  # build (and measure) the lean decode path now, not inside the first decode
     return backend
