@@ -45,6 +45,31 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+#if defined(DSPINE_AVX512)
+// the 32 weights of Q4_1 block b of a row, rebuilt in float32: weights 0..15 and 16..31
+inline void q4_block(const uint8_t* q, const float* d, const float* m, int64_t b, __m512 w[2]) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m512 D = _mm512_set1_ps(d[b]), Mv = _mm512_set1_ps(m[b]);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))), D, Mv);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4))), D,
+                         Mv);
+}
+#elif defined(DSPINE_AVX2)
+// the 32 weights of Q4_1 block b of a row, rebuilt in float32: weights 0..7, 8..15, 16..23, 24..31
+inline void q4_block(const uint8_t* q, const float* d, const float* m, int64_t b, __m256 w[4]) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256 D = _mm256_set1_ps(d[b]), Mv = _mm256_set1_ps(m[b]);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+  const __m128i lo = _mm_and_si128(bytes, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), D, Mv);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), D, Mv);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), D, Mv);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), D, Mv);
+}
+#endif
+
 // one output feature n for M rows: y[r, n] = sum_k w[n, k] x[r, k]
 inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
                    float* y, int64_t N, int64_t n) {
@@ -86,15 +111,12 @@ inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const
     __m512 s0[4], s1[4];
     for (int64_t r = 0; r < M; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 D = _mm512_set1_ps(d[b]), Mv = _mm512_set1_ps(m[b]);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))), D, Mv);
-      const __m512 w1 = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4))), D, Mv);
+      __m512 w[2];
+      q4_block(q, d, m, b, w);
       for (int64_t r = 0; r < M; ++r) {
         const float* xr = x + r * K + b * QK;
-        s0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), s0[r]);
-        s1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), s1[r]);
+        s0[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), s0[r]);
+        s1[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), s1[r]);
       }
     }
     for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(s0[r], s1[r]));
@@ -103,14 +125,11 @@ inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const
   __m512 acc[MAX_ROWS];
   for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512 D = _mm512_set1_ps(d[b]), Mv = _mm512_set1_ps(m[b]);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))), D, Mv);
-    const __m512 w1 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4))), D, Mv);
+    __m512 w[2];
+    q4_block(q, d, m, b, w);
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * K + b * QK;
-      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]));
+      acc[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[r]));
     }
   }
   for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
@@ -140,39 +159,27 @@ inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const
     __m256 s0[4], s1[4];
     for (int64_t r = 0; r < M; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256 D = _mm256_set1_ps(d[b]), Mv = _mm256_set1_ps(m[b]);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      const __m128i lo = _mm_and_si128(bytes, low4);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), D, Mv);
-      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), D, Mv);
-      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), D, Mv);
-      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), D, Mv);
+      __m256 w[4];
+      q4_block(q, d, m, b, w);
       for (int64_t r = 0; r < M; ++r) {
         const float* xr = x + r * K + b * QK;
-        s0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), s0[r]));
-        s1[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), s1[r]));
+        s0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), s0[r]));
+        s1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), s1[r]));
       }
     }
     for (int64_t r = 0; r < M; ++r) y[r * N + n] = hsum(_mm256_add_ps(s0[r], s1[r]));
     return;
   }
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256 D = _mm256_set1_ps(d[b]), Mv = _mm256_set1_ps(m[b]);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-    const __m128i lo = _mm_and_si128(bytes, low4);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), D, Mv);
-    const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), D, Mv);
-    const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), D, Mv);
-    const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), D, Mv);
+    __m256 w[4];
+    q4_block(q, d, m, b, w);
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * K + b * QK;
       __m256 a = acc[r];
-      a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a);
-      a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a);
-      a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a);
-      a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a);
+      a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
+      a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+      a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
       acc[r] = a;
     }
   }
