@@ -31,11 +31,14 @@ def add_target_runtime_args(p: argparse.ArgumentParser, default: str | None = "a
     p.add_argument("--linear-backend", default=default, metavar="{auto,aten,transposed,onednn,mixed,blockq}",
                    help=f"the target's linear layers{who}: auto (default: the fastest measured on this machine, "
                         "cached) | aten (PyTorch's own) | transposed (column-major weights) | onednn (weights "
-                        "pre-packed once) | mixed (column-major for one token, packed for more)")
+                        "pre-packed once) | mixed (column-major for one token, packed for more) | blockq "
+                        "(float32 targets converted from a Q4_1/Q8_0 GGUF, e.g. the default: C++ kernels read "
+                        "the exact 4/8-bit blocks; on the dense runtime decode steps and verifications also "
+                        "run every layer in one C++ call, the lean decode path; DSPINE_LEAN=0 turns that off)")
     p.add_argument("--runtime", default=default, metavar="{auto,hf,dense}",
                    help="the target's forward: auto (default: dense where it supports the target) | hf "
-                        "(transformers' forward) | dense (dspine's lean llama/qwen2/qwen3 forward with a "
-                        "preallocated K/V cache; same weights, bit-identical float32 logits)"
+                        "(transformers' forward) | dense (dspine's own llama/qwen2/qwen3 forward with a "
+                        "preallocated K/V cache; same weights, bit-identical float32 logits on PyTorch's linears)"
                         + ("; hf and hf-pld always run transformers' generate" if every_mode else ""))
 
 
