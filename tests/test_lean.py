@@ -164,3 +164,47 @@ def test_lean_rows_follow_a_measurement():
         got = L.choose_lean_rows(rt, plan, timer=lambda path, rows: fast[path])
         assert got == want == plan.rows == t.model._dspine_lean_rows
     assert L.choose_lean_rows(rt, plan, timer=lambda p, r: 1 / 0) == kernel_rows  # cached: not measured again
+
+
+def test_malformed_plans_and_calls_are_refused(smol_lean, monkeypatch):
+    """The C++ plan checks every layer's shapes and each call's start, cache and feature
+    layers (clear errors, not out-of-bounds reads); DSPINE_LEAN accepts on/off words only."""
+    t = smol_lean
+    rt = t.runtime
+    mod = B.kernels()
+    norms, blocks = [], []
+    for layer in rt.layers[:2]:
+        norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for part, name in L.PROJ:
+            lin = getattr(getattr(layer, part), name)
+            blocks += [lin.b0, lin.b1, lin.b2 if lin.kind == "q4" else torch.empty(0)]
+    args = (rt.n_heads, rt.n_kv, rt.head_dim, 1e-5, float(rt.scaling))
+    with pytest.raises(RuntimeError, match="at least one layer"):
+        mod.LeanLlama([], [], *args)
+    bad = list(blocks)
+    bad[21 + 3: 21 + 6] = blocks[0:3]  # layer 1's k_proj replaced by a q_proj: wrong N
+    with pytest.raises(RuntimeError, match="layer 1: linear shapes"):
+        mod.LeanLlama(norms, bad, *args)
+    bad_norms = list(norms)
+    bad_norms[3] = norms[3][:7]
+    with pytest.raises(RuntimeError, match="layer 1: norm weights"):
+        mod.LeanLlama(bad_norms, blocks, *args)
+    impl = mod.LeanLlama(norms, blocks, *args)
+    c = t.new_cache()
+    c._ensure(8)
+    k, v = c.k[:2].contiguous(), c.v[:2].contiguous()
+    x = torch.zeros(1, t.hidden_size)
+    cs = torch.ones(1, rt.head_dim)
+    with pytest.raises(RuntimeError, match="start must be >= 0"):
+        impl.forward(x, k, v, -1, cs, cs, torch.empty(0, dtype=torch.bool), [])
+    with pytest.raises(RuntimeError, match="feature layer 5"):
+        impl.forward(x, k, v, 0, cs, cs, torch.empty(0, dtype=torch.bool), [5])
+    with pytest.raises(RuntimeError, match="cache buffers"):
+        impl.forward(x, k[:, :, :, :, :].reshape(2, 1, rt.n_kv, -1).contiguous(), v, 0, cs, cs,
+                     torch.empty(0, dtype=torch.bool), [])
+    for value, on in (("off", False), ("FALSE", False), ("on", True), ("1", True)):
+        monkeypatch.setenv("DSPINE_LEAN", value)
+        assert L.lean_enabled() is on
+    monkeypatch.setenv("DSPINE_LEAN", "garbage")
+    with pytest.raises(ValueError, match="DSPINE_LEAN='garbage'"):
+        L.lean_enabled()

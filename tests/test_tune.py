@@ -106,6 +106,14 @@ def test_rounds_interleave_alternatives_and_take_the_median():
     assert choose_fastest("t:rounds1", {n: (lambda: None) for n in base}, timer=timer, redo=True).chosen == "b"
 
 
+def test_rounds_must_be_positive_and_a_nan_time_is_a_failure():
+    with pytest.raises(ValueError, match="rounds must be an integer >= 1"):
+        choose_fastest("t:r0", {"a": lambda: None}, timer=fake_timer({"a": 1.0}), redo=True, rounds=0)
+    c = choose_fastest("t:nan", {"a": lambda: None, "b": lambda: None},
+                       timer=lambda name, fn, rep, cap: float("nan") if name == "a" else 2e-3, redo=True)
+    assert c.chosen == "b" and c.times_ms["a"] is None and "measured nan" in c.errors["a"]
+
+
 def test_choices_are_cached_per_machine_on_disk(disk_cache):
     t = fake_timer({"a": 2.0, "b": 1.0})
     c1 = choose_fastest("t:cache", {"a": lambda: None, "b": lambda: None}, timer=t)

@@ -207,7 +207,7 @@ class DenseRuntime:
         end = start + n
         cache._ensure(end)
         lean = self.lean_plan()  # an identity check once built (a prefill builds it at the latest)
-        if lean is not None and n <= lean.rows:
+        if lean is not None and 1 <= n <= lean.rows:
             x, by = lean.forward(self, input_ids, cache, start, list(feature_layers or ()), tree)
             cache._stored = end
             return self._finish(x, by, feature_layers, logits_to_keep)

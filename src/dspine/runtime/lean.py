@@ -29,10 +29,24 @@ PROJ = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"
         ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
+def lean_enabled() -> bool:
+    """``DSPINE_LEAN``: unset, 1/on/true/yes = on; 0/off/false/no = off.
+
+    Raises:
+        ValueError: any other value (naming ``DSPINE_LEAN``).
+    """
+    v = os.environ.get("DSPINE_LEAN", "1").strip().lower()
+    if v in ("", "1", "on", "true", "yes"):
+        return True
+    if v in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"DSPINE_LEAN={os.environ['DSPINE_LEAN']!r} is not understood; use 0/off or 1/on")
+
+
 def lean_support(rt) -> str | None:
     """None when :class:`LeanDecode` can run the dense runtime ``rt``'s model now, else why not."""
-    if os.environ.get("DSPINE_LEAN", "1") == "0":
-        return "DSPINE_LEAN=0"
+    if not lean_enabled():
+        return f"DSPINE_LEAN={os.environ.get('DSPINE_LEAN')}"
     if rt.dtype != torch.float32 or rt.device.type != "cpu":
         return "float32 CPU targets only"
     if rt.qk_norm:

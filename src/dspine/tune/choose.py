@@ -10,6 +10,7 @@ never chosen. Tests inject ``timer`` to check the rule without depending on the 
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -97,6 +98,8 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
     """
     if not alternatives:
         raise ValueError(f"tune {key}: no alternatives to choose from")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"tune {key}: rounds must be an integer >= 1, got {rounds!r}")
     if not redo:
         hit = cached_choice(key, alternatives, device)
         if hit is not None:
@@ -120,6 +123,8 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
                 continue
             try:
                 s = float(timer(name, alternatives[name], repeats, cutoff * best))
+                if not (s >= 0 and math.isfinite(s)):
+                    raise ValueError(f"measured {s!r} s")
             except Exception as e:  # an unsupported kernel on this CPU/torch: not a choice
                 times[name], errors[name] = None, f"{type(e).__name__}: {e}"[:200]
                 continue

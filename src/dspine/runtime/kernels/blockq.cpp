@@ -315,7 +315,8 @@ inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const 
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
               "blockq: x must be a contiguous CPU float32 [M, K] tensor");
-  TORCH_CHECK(x.size(1) == K && K % QK == 0, "blockq: x has ", x.size(1), " features, the weight ", K);
+  TORCH_CHECK(K % QK == 0, "blockq: the weight's input size ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(x.size(1) == K, "blockq: x has ", x.size(1), " features, the weight ", K);
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "blockq: 1..", MAX_ROWS, " rows, got ", x.size(0));
 }
 
@@ -323,6 +324,7 @@ void check_x(const torch::Tensor& x, int64_t K) {
 
 // x [M, K] float32; q [N, K / 2] uint8; d, m [N, K / 32] float32 -> [M, N] float32
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(q.dim() == 2 && q.numel() > 0, "blockq q4: q must be a non-empty [N, K/2] tensor");
   const int64_t N = q.size(0), K = q.size(1) * 2, M = x.size(0), nb = K / QK;
   check_x(x, K);
   TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous(), "blockq q4: q must be contiguous uint8");
@@ -342,6 +344,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
 
 // x [M, K] float32; q [N, K] int8; d [N, K / 32] float32 -> [M, N] float32
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
+  TORCH_CHECK(q.dim() == 2 && q.numel() > 0, "blockq q8: q must be a non-empty [N, K] tensor");
   const int64_t N = q.size(0), K = q.size(1), M = x.size(0), nb = K / QK;
   check_x(x, K);
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous(), "blockq q8: q must be contiguous int8");
@@ -371,10 +374,13 @@ struct Lin {
 };
 
 Lin make_lin(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.numel() > 0 && (q.scalar_type() == torch::kUInt8 || q.scalar_type() == torch::kInt8),
+              "blockq lean: block q must be a non-empty 2-D uint8 (q4) or int8 (q8) tensor");
   Lin l;
   l.q = q; l.d = d; l.m = m; l.N = q.size(0);
   l.q4 = q.scalar_type() == torch::kUInt8;
   l.K = l.q4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(l.K % QK == 0, "blockq lean: a weight's input size ", l.K, " is not a multiple of ", QK);
   TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
                   d.numel() == l.N * (l.K / QK) && (!l.q4 || (m.is_contiguous() && m.numel() == d.numel())),
               "blockq lean: malformed blocks");
@@ -447,6 +453,8 @@ struct LeanLlama {
       : H(heads), KV(kv_heads), hd(head_dim), eps(float(eps_)), scaling(float(scaling_)) {
     TORCH_CHECK(norms.size() % 2 == 0 && blocks.size() == norms.size() / 2 * 21, "blockq lean: 2 norms and 7 x 3 block tensors per layer");
     L = int64_t(norms.size() / 2);
+    TORCH_CHECK(L >= 1 && heads >= 1 && kv_heads >= 1 && head_dim >= 2 && head_dim % 2 == 0,
+                "blockq lean: at least one layer, and positive head counts with an even head size");
     for (int64_t i = 0; i < L; ++i) {
       ln1.push_back(norms[2 * i].contiguous());
       ln2.push_back(norms[2 * i + 1].contiguous());
@@ -454,14 +462,21 @@ struct LeanLlama {
     }
     D = ln1[0].numel();
     I = lins[4].N;
-    TORCH_CHECK(lins[0].N == H * hd && lins[1].N == KV * hd && lins[2].N == KV * hd && lins[3].N == D &&
-                    lins[5].N == I && lins[6].N == D && lins[0].K == D && lins[6].K == I && H % KV == 0,
-                "blockq lean: layer shapes do not match the heads");
+    TORCH_CHECK(H % KV == 0, "blockq lean: ", H, " heads are not a multiple of ", KV, " K/V heads");
+    for (int64_t i = 0; i < L; ++i) {  // every layer: the same D, I and heads
+      const Lin* w = &lins[i * 7];
+      TORCH_CHECK(ln1[i].numel() == D && ln2[i].numel() == D && ln1[i].scalar_type() == torch::kFloat32 &&
+                      ln2[i].scalar_type() == torch::kFloat32, "blockq lean: layer ", i, ": norm weights must be float32 [", D, "]");
+      TORCH_CHECK(w[0].N == H * hd && w[1].N == KV * hd && w[2].N == KV * hd && w[0].K == D && w[1].K == D &&
+                      w[2].K == D && w[3].N == D && w[3].K == H * hd && w[4].N == I && w[5].N == I && w[4].K == D &&
+                      w[5].K == D && w[6].N == D && w[6].K == I,
+                  "blockq lean: layer ", i, ": linear shapes do not match D=", D, ", I=", I, " and the heads");
+    }
   }
 
   // x [M, D] float32 (the embeddings; overwritten with the last layer's output); kc, vc
   // [L, 1, KV, cap, hd] float32 (new K/V written at slots start..start+M-1); cos, sin [M, hd];
-  // mask: undefined (causal) or bool [M, start + M]. Returns the outputs of the layers in
+  // mask: an empty tensor (causal) or bool [M, start + M]. Returns the outputs of the layers in
   // ``want`` (copies, [M, D] each).
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor kc, torch::Tensor vc, int64_t start,
                                      torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
@@ -469,7 +484,10 @@ struct LeanLlama {
     const int64_t M = x.size(0), end = start + M, cap = kc.size(3);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
                     M >= 1 && M <= MAX_ROWS, "blockq lean: x must be contiguous float32 [1..16, D]");
-    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == L && kc.size(2) == KV && kc.size(4) == hd &&
+    TORCH_CHECK(start >= 0, "blockq lean: start must be >= 0, got ", start);
+    for (int64_t f : want) TORCH_CHECK(f >= 0 && f < L, "blockq lean: feature layer ", f, " is not in 0..", L - 1);
+    TORCH_CHECK(kc.dim() == 5 && kc.size(1) == 1 && kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == L &&
+                    kc.size(2) == KV && kc.size(4) == hd &&
                     end <= cap && kc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes(),
                 "blockq lean: cache buffers do not match");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * hd && sin.numel() == M * hd,
