@@ -370,6 +370,7 @@ class CostModelPolicy(VerifyPolicy):
         self.cost_decay = 0.5 ** (1.0 / cost_half_life) if cost_half_life and math.isfinite(cost_half_life) else 1.0
         self.obs_sum = [0.0] * (cost.n_max + 1)  # decayed sum of measured cycle times (s) per n
         self.obs_w = [0.0] * (cost.n_max + 1)  # decayed count per n
+        self._costs: list[float] | None = None  # cycle_cost for every n, until an observation changes
         self.profile_key: str | None = None  # set by make_policy(persist=True)
         self.source = source  # only cycles of this proposer source count (None: every cycle)
 
@@ -383,6 +384,7 @@ class CostModelPolicy(VerifyPolicy):
         self.obs_w = [w * d for w in self.obs_w]
         self.obs_sum[n] += seconds
         self.obs_w[n] += 1.0
+        self._costs = None
 
     def cycle_cost(self, n: int) -> float:
         """Estimated cost (s) of a cycle verifying n proposals: the decayed mean of the
@@ -390,10 +392,8 @@ class CostModelPolicy(VerifyPolicy):
         the measured curve times the observed/measured ratio at the nearest observed n.
         Computed for every n at once and reused until an observation changes (a decision
         asks for every n, and at ~8 ms per target step the policy's own time counts)."""
-        key = (self.observe_costs, id(self.cost), tuple(self.obs_sum), tuple(self.obs_w))
-        if getattr(self, "_costs_key", None) != key:
+        if self._costs is None:  # cleared by every write of the observations
             self._costs = [self._cycle_cost(k) for k in range(self.cost.n_max + 1)]
-            self._costs_key = key
         return self._costs[min(n, self.cost.n_max)]
 
     def _cycle_cost(self, n: int) -> float:
@@ -487,6 +487,7 @@ class CostModelPolicy(VerifyPolicy):
         self.pooled.risk, self.pooled.acc = [r * k for r in risk], [a * k for a in acc]
         kw = min(1.0, 8.0 / max(max(obs_w, default=0.0), 1e-9))  # costs: a few cycles' weight
         self.obs_sum, self.obs_w = [x * kw for x in obs_sum], [w * kw for w in obs_w]
+        self._costs = None
         return True
 
     def save_profile(self, key: str, device: str = "cpu") -> None:

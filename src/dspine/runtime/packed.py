@@ -131,10 +131,8 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
         ValueError: unknown backend (naming ``--linear-backend``), or a oneDNN backend where
             it cannot run (:func:`pack_linears`); the model is then left on ``aten``.
     """
-    from .blockq import MAX_ROWS, choose_rows, pack_blocks, unpack_blocks
+    from .blockq import MAX_ROWS, BlockQLinear, choose_rows, pack_blocks, unpack_blocks
     from .layout import set_column_major
-
-    from .blockq import BlockQLinear
 
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
