@@ -82,7 +82,7 @@ def test_pack_refuses_weights_that_are_not_blocks():
 
 
 # -- kernels --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 32])
 def test_kernels_equal_linear_on_the_same_weights(rows):
     _kernels_or_skip()
     mod = B.kernels()
@@ -97,12 +97,30 @@ def test_kernels_equal_linear_on_the_same_weights(rows):
         assert not torch.allclose(call(x + 1e-2, p), ref, rtol=1e-5, atol=1e-6)  # negative control
 
 
-def test_blockq_linear_falls_back_beyond_16_rows_and_keeps_bias():
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_kernel_rows_are_batch_invariant(kind):
+    """Row r of an M-row call is bitwise row r computed alone, for every M up to the row
+    limit (one summation order per dot product, whatever the row group): a verification's
+    logits are the plain loop's. Negative control: PyTorch's GEMM on the same weights sums
+    in another order, and the comparison sees it."""
+    _kernels_or_skip()
+    mod = B.kernels()
+    w = q4_weight(70, 160, 4) if kind == "q4" else q8_weight(70, 160, 5)
+    p = B.pack_q4(w) if kind == "q4" else B.pack_q8(w)
+    call = (lambda x: mod.q4_linear(x, *p)) if kind == "q4" else (lambda x: mod.q8_linear(x, *p))
+    x = torch.randn(B.MAX_ROWS, 160, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([call(x[r:r + 1].contiguous()) for r in range(B.MAX_ROWS)])
+    for m in range(1, B.MAX_ROWS + 1):
+        assert torch.equal(call(x[:m].contiguous()), alone[:m]), m
+    assert not torch.equal(x @ w.T, alone)  # negative control: another order, other bits
+
+
+def test_blockq_linear_falls_back_beyond_its_rows_and_keeps_bias():
     _kernels_or_skip()
     lin = nn.Linear(64, 40)
     lin.weight.data.copy_(q4_weight(40, 64, 3))
     bq = B.BlockQLinear(lin, B.pack_q4(lin.weight), rows=B.MAX_ROWS)
-    for shape in ((1, 64), (2, 5, 64), (17, 64), (3, 7, 64)):
+    for shape in ((1, 64), (2, 5, 64), (B.MAX_ROWS + 1, 64), (3, 11, 64)):
         x = torch.randn(*shape)
         torch.testing.assert_close(bq(x), lin(x), rtol=1e-5, atol=1e-5)
     assert bq.weight is lin.weight and bq.bias is lin.bias

@@ -142,6 +142,42 @@ def test_lean_support_names_what_it_cannot_run(tiny256, monkeypatch):
     assert t.runtime.decode_path == "python"  # the plan follows the layers
 
 
+def test_lean_verification_is_bitwise_the_plain_loop(smol_lean):
+    """A few-row forward on the lean path gives, row by row, bitwise the logits and features
+    of one-token forwards over the same tokens (batch-invariant kernels, per-row attention and
+    norms): greedy verification cannot flip a near-tie against ``ar``. Negative control: the
+    Python path's 16-row forward (oneDNN's GEMM beyond the kernels' rows) is not bitwise."""
+    t = smol_lean
+    plan = t.runtime.lean_plan()
+    ids = torch.tensor(t.encode_prompt("List three uses of a hash map, briefly.", chat=True))[None]
+    layers = [1, 10, t.num_layers - 1]
+    n = 16
+    lins = [m for m in t.model.modules() if isinstance(m, B.BlockQLinear)]
+    saved = [lin.rows for lin in lins]
+    for lin in lins:  # the kernels for every row (a measurement may have set a lower limit here)
+        lin.rows = B.MAX_ROWS
+    plan.max_rows = n
+    c = t.new_cache()
+    t.forward(ids[:, :-n], c, None, logits_to_keep=1)
+    one = [t.forward(ids[:, k:k + 1], c, layers) for k in range(ids.shape[1] - n, ids.shape[1])]
+    for m in (n, 5, 2):
+        c = t.new_cache()
+        t.forward(ids[:, :-n], c, None, logits_to_keep=1)
+        out = t.forward(ids[:, -n:][:, :m], c, layers)
+        assert torch.equal(out.logits[0], torch.cat([o.logits[0] for o in one[:m]])), m
+        assert torch.equal(out.features[0], torch.cat([o.features[0] for o in one[:m]])), m
+    for lin in lins:
+        lin.rows = 1  # the Python path, oneDNN for more than one row
+    plan.max_rows = 1
+    c = t.new_cache()
+    t.forward(ids[:, :-n], c, None, logits_to_keep=1)
+    py = t.forward(ids[:, -n:], c, layers)
+    assert not torch.equal(py.logits[0], torch.cat([o.logits[0] for o in one]))
+    for lin, r in zip(lins, saved):
+        lin.rows = r
+    plan.max_rows = t.model._dspine_lean_rows
+
+
 def test_lean_rows_follow_a_measurement():
     _kernels_or_skip()
     from test_blockq import quantize_linears_
@@ -159,7 +195,7 @@ def test_lean_rows_follow_a_measurement():
     plan = rt.lean_plan()
     kernel_rows = plan.first.rows
     assert kernel_rows == 4
-    for fast, want in (({"lean": 1.0, "python": 2.0}, 16), ({"lean": 3.0, "python": 2.0}, kernel_rows)):
+    for fast, want in (({"lean": 1.0, "python": 2.0}, B.MAX_ROWS), ({"lean": 3.0, "python": 2.0}, kernel_rows)):
         del t.model._dspine_lean_rows
         got = L.choose_lean_rows(rt, plan, timer=lambda path, rows: fast[path])
         assert got == want == plan.rows == t.model._dspine_lean_rows

@@ -272,6 +272,10 @@ def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str |
              getattr(target, "runtime_name", "hf"), getattr(getattr(target, "runtime", None), "decode_path", None),
              n_max, context, repeats,
              getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None), target.vocab_size]
+    if getattr(target, "linear_backend", "aten") == "blockq":  # new kernels, new costs
+        from .runtime.blockq import source_version
+
+        parts.append(source_version())
     if drafter is not None:
         parts += [drafter.cfg.to_json(), json.dumps(proposer.kernel_info(), sort_keys=True)
                   if hasattr(proposer, "kernel_info") else ""]

@@ -26,10 +26,16 @@ import torch
 from torch import nn
 
 QK = 32  # weights per block (GGUF's Q4_1 / Q8_0)
-MAX_ROWS = 16  # rows the kernels take at once (kernels/blockq.cpp)
+MAX_ROWS = 32  # rows the kernels take at once (kernels/blockq.cpp)
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a killed build (a build takes ~1 min)
 _SOURCE = Path(__file__).parent / "kernels" / "blockq.cpp"
 _STATE: dict = {}
+
+
+def source_version() -> str:
+    """A short hash of the kernels' source: measurements made with other kernels (the backend
+    choice, the cost curve) are keyed by it and redone when it changes."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
 
 
 def _build_key() -> str:
@@ -212,7 +218,7 @@ def pack_blocks(model: nn.Module, rows: int = 1, wrap: tuple[type, ...] = (nn.Li
     return counts
 
 
-def choose_rows(model: nn.Module, sizes: tuple[int, ...] = (MAX_ROWS, 4), repeats: int = 2) -> int:
+def choose_rows(model: nn.Module, sizes: tuple[int, ...] = (MAX_ROWS, 17, 4), repeats: int = 2) -> int:
     """Set (and return) the most rows the kernels take in ``model``'s :class:`BlockQLinear`
     layers: the largest of ``sizes`` at which one pass over all those layers ran faster on the
     kernels than on the inner layers (oneDNN on packed float32 weights), measured here with

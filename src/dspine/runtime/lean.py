@@ -126,7 +126,7 @@ class LeanDecode:
         return x[None], {i: f[None] for i, f in zip(want, feats)}
 
 
-def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (16, 8), context: int = 32,
+def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8), context: int = 32,
                      repeats: int = 3, timer=None) -> int:
     """Set (and return) the most rows ``plan`` takes: the largest of ``sizes`` at which a
     whole forward on the lean path ran no slower than on the Python path (whose linears

@@ -211,6 +211,7 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     target is left with ``aten`` linears.
     """
     from ..tune.choose import Choice, choose_fastest
+    from .blockq import source_version
 
     names = available_backends(target, progress=progress)
     if len(names) == 1:
@@ -218,7 +219,8 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     cfg = target.config
     key = (f"linear4:target={target.name},dtype={str(target.dtype).replace('torch.', '')},V={target.vocab_size},"
            f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')},"
-           f"backends={'/'.join(names)},runtime={getattr(target, 'runtime_name', 'hf')}")
+           f"backends={'/'.join(names)},runtime={getattr(target, 'runtime_name', 'hf')}"
+           + (f",kernels={source_version()}" if "blockq" in names else ""))
     V = target.vocab_size
     ids = (torch.arange(1, context + 17) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)[None]
 

@@ -33,7 +33,7 @@
 namespace {
 
 constexpr int64_t QK = 32;
-constexpr int64_t MAX_ROWS = 16;
+constexpr int64_t MAX_ROWS = 32;  // a verification of a 31-token chain or a tree of 31 nodes
 
 #ifdef DSPINE_AVX2
 inline float hsum(__m256 v) {
@@ -70,246 +70,171 @@ inline void q4_block(const uint8_t* q, const float* d, const float* m, int64_t b
 }
 #endif
 
-// one output feature n for M rows: y[r, n] = sum_k w[n, k] x[r, k]
-inline void q4_row(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
-                   float* y, int64_t N, int64_t n) {
-  const int64_t nb = K / QK;
+// ---- the linear kernels: y[r, n] = sum_k w[n, k] x[r, k] -------------------------------------
+// Every dot product (row r, output feature n) is summed in ONE order, whatever the number of
+// rows M of the call and whichever row group computes it: two float32 partial sums over the
+// blocks in order (AVX-512: weights 0..15 of each block into the first, 16..31 into the second;
+// AVX2: weights 0..7 and 16..23 into the first, 8..15 and 24..31 into the second), added, then
+// reduced; scalar: one sum of block sums. Row r of a 16-row verification is therefore bitwise
+// row r computed alone in a one-token decode step (batch invariance), so a verification's
+// logits equal the plain loop's and greedy speculative decoding cannot flip a near-tie there.
+// A group of R rows shares each dequantized weight block (R * 2 sums in registers), which is
+// what makes a few-row verification cost little more than one row.
 #if defined(DSPINE_AVX512)
-  // a block's 16 bytes: low nibbles are weights 0..15, high nibbles 16..31 (one zmm each)
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  if (M == 1) {  // two blocks per step into four independent sums (the FMA latency chain)
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-      const __m512 D0 = _mm512_set1_ps(d[b]), M0 = _mm512_set1_ps(m[b]);
-      const __m512 D1 = _mm512_set1_ps(d[b + 1]), M1 = _mm512_set1_ps(m[b + 1]);
-      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16 + 16));
-      const float* xr = x + b * QK;
-      a0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, low4))), D0, M0),
-                           _mm512_loadu_ps(xr), a0);
-      a1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                               _mm_and_si128(_mm_srli_epi16(b0, 4), low4))), D0, M0), _mm512_loadu_ps(xr + 16), a1);
-      a2 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, low4))), D1, M1),
-                           _mm512_loadu_ps(xr + 32), a2);
-      a3 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                               _mm_and_si128(_mm_srli_epi16(b1, 4), low4))), D1, M1), _mm512_loadu_ps(xr + 48), a3);
-    }
-    for (; b < nb; ++b) {
-      const __m512 D = _mm512_set1_ps(d[b]), Mv = _mm512_set1_ps(m[b]);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      const float* xr = x + b * QK;
-      a0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))), D, Mv),
-                           _mm512_loadu_ps(xr), a0);
-      a1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low4))), D, Mv), _mm512_loadu_ps(xr + 16), a1);
-    }
-    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    return;
-  }
-  if (M <= 4) {  // two sums per row: one FMA chain per row would bound few-row inputs
-    __m512 s0[4], s1[4];
-    for (int64_t r = 0; r < M; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512 w[2];
-      q4_block(q, d, m, b, w);
-      for (int64_t r = 0; r < M; ++r) {
-        const float* xr = x + r * K + b * QK;
-        s0[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), s0[r]);
-        s1[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), s1[r]);
-      }
-    }
-    for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(s0[r], s1[r]));
-    return;
-  }
-  __m512 acc[MAX_ROWS];
-  for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+template <int R>
+inline void q4_dots(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y, int64_t N,
+                    int64_t n) {
+  const int64_t nb = K / QK;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 w[2];
     q4_block(q, d, m, b, w);
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * K + b * QK;
-      acc[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[r]));
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x + r * K + b * QK), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + r * K + b * QK + 16), acc[r][1]);
     }
   }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(DSPINE_AVX2)
-  __m256 acc[MAX_ROWS];
-  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  if (M == 1) {  // four independent sums: the FMA latency chain is the bound otherwise
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256 D = _mm256_set1_ps(d[b]), Mv = _mm256_set1_ps(m[b]);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      const __m128i lo = _mm_and_si128(bytes, low4);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-      const float* xr = x + b * QK;
-      a0 = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), D, Mv), _mm256_loadu_ps(xr), a0);
-      a1 = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), D, Mv),
-                           _mm256_loadu_ps(xr + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), D, Mv), _mm256_loadu_ps(xr + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), D, Mv),
-                           _mm256_loadu_ps(xr + 24), a3);
-    }
-    y[n] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    return;
-  }
-  if (M <= 4) {  // two sums per row: one FMA chain per row would bound few-row inputs
-    __m256 s0[4], s1[4];
-    for (int64_t r = 0; r < M; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 w[4];
-      q4_block(q, d, m, b, w);
-      for (int64_t r = 0; r < M; ++r) {
-        const float* xr = x + r * K + b * QK;
-        s0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), s0[r]));
-        s1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), s1[r]));
-      }
-    }
-    for (int64_t r = 0; r < M; ++r) y[r * N + n] = hsum(_mm256_add_ps(s0[r], s1[r]));
-    return;
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256 w[4];
-    q4_block(q, d, m, b, w);
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * K + b * QK;
-      __m256 a = acc[r];
-      a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
-      a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
-      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
-      a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
-      acc[r] = a;
-    }
-  }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = hsum(acc[r]);
-#else
-  std::vector<float> acc(M, 0.0f);
-  float w[QK];
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t j = 0; j < 16; ++j) {
-      const uint8_t v = q[b * 16 + j];
-      w[j] = d[b] * float(v & 0x0F) + m[b];
-      w[j + 16] = d[b] * float(v >> 4) + m[b];
-    }
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * K + b * QK;
-      float s = 0.0f;
-      for (int64_t j = 0; j < QK; ++j) s += w[j] * xr[j];
-      acc[r] += s;
-    }
-  }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = acc[r];
-#endif
+  for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-inline void q8_row(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, float* y, int64_t N,
-                   int64_t n) {
+template <int R>
+inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n) {
   const int64_t nb = K / QK;
-#if defined(DSPINE_AVX512)
-  if (M == 1) {  // two blocks per step into four independent sums (see q4_row)
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-      const __m512 D0 = _mm512_set1_ps(d[b]), D1 = _mm512_set1_ps(d[b + 1]);
-      const int8_t* qb = q + b * QK;
-      const float* xr = x + b * QK;
-      a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D0), _mm512_loadu_ps(xr), a0);
-      a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D0), _mm512_loadu_ps(xr + 16), a1);
-      a2 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 32)))), D1), _mm512_loadu_ps(xr + 32), a2);
-      a3 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 48)))), D1), _mm512_loadu_ps(xr + 48), a3);
-    }
-    for (; b < nb; ++b) {
-      const __m512 D = _mm512_set1_ps(d[b]);
-      const int8_t* qb = q + b * QK;
-      const float* xr = x + b * QK;
-      a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D), _mm512_loadu_ps(xr), a0);
-      a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D), _mm512_loadu_ps(xr + 16), a1);
-    }
-    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    return;
-  }
-  __m512 acc[MAX_ROWS];
-  for (int64_t r = 0; r < MAX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 D = _mm512_set1_ps(d[b]);
     const int8_t* qb = q + b * QK;
-    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D);
-    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D);
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * K + b * QK;
-      if (M <= 4) {  // two sums per row (see q4_row): the second lives in acc[r + 8]
-        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
-        acc[r + 8] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r + 8]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]));
-      }
+    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D);
+    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + b * QK), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * K + b * QK + 16), acc[r][1]);
     }
   }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(M <= 4 ? _mm512_add_ps(acc[r], acc[r + 8]) : acc[r]);
+  for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
 #elif defined(DSPINE_AVX2)
-  if (M == 1) {  // four independent sums (see q4_row)
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256 D = _mm256_set1_ps(d[b]);
-      const int8_t* qb = q + b * QK;
-      const float* xr = x + b * QK;
-      for (int i = 0; i < 4; ++i) {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i));
-        a[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), D), _mm256_loadu_ps(xr + 8 * i), a[i]);
-      }
+template <int R>
+inline void q4_dots(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y, int64_t N,
+                    int64_t n) {
+  const int64_t nb = K / QK;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 w[4];
+    q4_block(q, d, m, b, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * QK;
+      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]));
     }
-    y[n] = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-    return;
   }
-  __m256 acc[MAX_ROWS];
-  for (int64_t r = 0; r < MAX_ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+template <int R>
+inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n) {
+  const int64_t nb = K / QK;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256 D = _mm256_set1_ps(d[b]);
     const int8_t* qb = q + b * QK;
     __m256 w[4];
-    for (int i = 0; i < 4; ++i) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i));
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), D);
-    }
-    for (int64_t r = 0; r < M; ++r) {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i)))), D);
+    for (int r = 0; r < R; ++r) {
       const float* xr = x + r * K + b * QK;
-      if (M <= 4) {  // two sums per row (see q4_row): the second lives in acc[r + 8]
-        acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r]));
-        acc[r + 8] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24),
-                                     _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r + 8]));
-        continue;
-      }
-      __m256 a = acc[r];
-      a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
-      a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
-      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
-      a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
-      acc[r] = a;
+      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]));
     }
   }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = hsum(M <= 4 ? _mm256_add_ps(acc[r], acc[r + 8]) : acc[r]);
+  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
 #else
-  std::vector<float> acc(M, 0.0f);
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t r = 0; r < M; ++r) {
+template <int R>
+inline void q4_dots(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y, int64_t N,
+                    int64_t n) {
+  const int64_t nb = K / QK;
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xr = x + r * K + b * QK;
+      float s = 0.0f;
+      for (int64_t j = 0; j < 16; ++j) s += (d[b] * float(q[b * 16 + j] & 0x0F) + m[b]) * xr[j];
+      for (int64_t j = 0; j < 16; ++j) s += (d[b] * float(q[b * 16 + j] >> 4) + m[b]) * xr[j + 16];
+      acc += s;
+    }
+    y[r * N + n] = acc;
+  }
+}
+
+template <int R>
+inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n) {
+  const int64_t nb = K / QK;
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
       const float* xr = x + r * K + b * QK;
       float s = 0.0f;
       for (int64_t j = 0; j < QK; ++j) s += (d[b] * float(q[b * QK + j])) * xr[j];
-      acc[r] += s;
+      acc += s;
     }
+    y[r * N + n] = acc;
   }
-  for (int64_t r = 0; r < M; ++r) y[r * N + n] = acc[r];
+}
 #endif
+
+// rows sharing one dequantized weight block (2 sums each: 8 of the 16 AVX2 registers); groups
+// of 8 measured no faster on AVX-512 (docs/decisions.md, session 20)
+constexpr int64_t ROW_GROUP = 4;
+
+// y [M, N] = x [M, K] W^T; features split over ATen's threads, 16 at a time (their blocks stay
+// in L1 while every row group passes over them). The grouping never changes a result.
+template <typename Dots>
+void apply_rows(int64_t M, int64_t N, const Dots& dots) {
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+      const int64_t n1 = std::min(n0 + 16, hi);
+      for (int64_t r0 = 0; r0 < M; r0 += ROW_GROUP)
+        for (int64_t n = n0; n < n1; ++n) dots(r0, std::min<int64_t>(ROW_GROUP, M - r0), n);
+    }
+  });
+}
+
+void q4_apply(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m, float* y,
+              int64_t N) {
+  const int64_t nb = K / QK;
+  apply_rows(M, N, [&](int64_t r0, int64_t R, int64_t n) {
+    const float* xr = x + r0 * K;
+    const uint8_t* qn = q + n * (K / 2);
+    const float *dn = d + n * nb, *mn = m + n * nb;
+    float* yr = y + r0 * N;
+    switch (R) {
+      case 1: q4_dots<1>(xr, K, qn, dn, mn, yr, N, n); break;
+      case 2: q4_dots<2>(xr, K, qn, dn, mn, yr, N, n); break;
+      case 3: q4_dots<3>(xr, K, qn, dn, mn, yr, N, n); break;
+      default: q4_dots<4>(xr, K, qn, dn, mn, yr, N, n); break;
+    }
+  });
+}
+
+void q8_apply(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  apply_rows(M, N, [&](int64_t r0, int64_t R, int64_t n) {
+    const float* xr = x + r0 * K;
+    const int8_t* qn = q + n * K;
+    const float* dn = d + n * nb;
+    float* yr = y + r0 * N;
+    switch (R) {
+      case 1: q8_dots<1>(xr, K, qn, dn, yr, N, n); break;
+      case 2: q8_dots<2>(xr, K, qn, dn, yr, N, n); break;
+      case 3: q8_dots<3>(xr, K, qn, dn, yr, N, n); break;
+      default: q8_dots<4>(xr, K, qn, dn, yr, N, n); break;
+    }
+  });
 }
 
 void check_x(const torch::Tensor& x, int64_t K) {
@@ -336,9 +261,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) q4_row(xp, M, K, qp + n * (K / 2), dp + n * nb, mp + n * nb, yp, N, n);
-  });
+  q4_apply(xp, M, K, qp, dp, mp, yp, N);
   return y;
 }
 
@@ -355,9 +278,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) q8_row(xp, M, K, qp + n * K, dp + n * nb, yp, N, n);
-  });
+  q8_apply(xp, M, K, qp, dp, yp, N);
   return y;
 }
 
@@ -393,15 +314,11 @@ void lin_apply(const Lin& l, const float* x, int64_t M, float* y) {
   if (l.q4) {
     const uint8_t* qp = l.q.data_ptr<uint8_t>();
     const float *dp = l.d.data_ptr<float>(), *mp = l.m.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t n = lo; n < hi; ++n) q4_row(x, M, K, qp + n * (K / 2), dp + n * nb, mp + n * nb, y, N, n);
-    });
+    q4_apply(x, M, K, qp, dp, mp, y, N);
   } else {
     const int8_t* qp = l.q.data_ptr<int8_t>();
     const float* dp = l.d.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t n = lo; n < hi; ++n) q8_row(x, M, K, qp + n * K, dp + n * nb, y, N, n);
-    });
+    q8_apply(x, M, K, qp, dp, y, N);
   }
 }
 
@@ -483,7 +400,7 @@ struct LeanLlama {
                                      std::vector<int64_t> want) {
     const int64_t M = x.size(0), end = start + M, cap = kc.size(3);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
-                    M >= 1 && M <= MAX_ROWS, "blockq lean: x must be contiguous float32 [1..16, D]");
+                    M >= 1 && M <= MAX_ROWS, "blockq lean: x must be contiguous float32 [1..", MAX_ROWS, ", D]");
     TORCH_CHECK(start >= 0, "blockq lean: start must be >= 0, got ", start);
     for (int64_t f : want) TORCH_CHECK(f >= 0 && f < L, "blockq lean: feature layer ", f, " is not in 0..", L - 1);
     TORCH_CHECK(kc.dim() == 5 && kc.size(1) == 1 && kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == L &&
