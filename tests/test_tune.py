@@ -19,7 +19,8 @@ from dspine.policy import CostCurve, CostModelPolicy, make_policy
 from dspine.tune import store
 from dspine.tune.choose import choose_fastest
 from dspine.tune.dtype import choose_forward_dtype
-from dspine.tune.head import HEAD_KERNELS, ROW_BUCKETS, CandidatePass, bucket, plan_candidate_pass
+from dspine.tune.head import (HEAD_KERNELS, ROW_BUCKETS, BlockQHead, CandidatePass, blockq_head_unavailable, bucket,
+                              plan_candidate_pass)
 from dspine.tune.machine import isa_class, machine_info, machine_key
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,11 +174,53 @@ def test_every_kernel_gives_the_exact_top_candidates(tiny256, kernel):
     """Coarse pool + exact rescoring: the top-K equals the exact head's top-K when the
     pool is wide (all kernels are only proposals; this checks they are sane)."""
     d = random_drafter(tiny256, mode="dspine", block_size=8, seed=2, head_topk=4, coarse_k=64)
+    if kernel == "blockq":  # scores on exact blocks: give the drafter a head stored as Q8_0 blocks
+        from dspine.runtime import blockq as B
+
+        if B.kernels(progress=False) is None:
+            pytest.skip(f"the blockq kernels cannot be built here: {B.unavailable_reason()}")
+        d.bind_target(d._target_embed, q8_exact(d.head))
     x = d.norm_f(torch.randn(15, d.head.shape[1], generator=torch.Generator().manual_seed(0)))
     cp = plan_candidate_pass(d.head, x.dtype, kernel)
     ref = candidates(d, x, 4, 64, None)
     got = candidates(d, x, 4, 64, cp)
     assert torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values)
+
+
+def q8_exact(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [V, d] rounded to Q8_0 blocks (float16 scale per 32, q in -127..127), float32."""
+    g = w.detach().float().reshape(w.shape[0], -1, 32)
+    scale = (g.abs().amax(-1, keepdim=True) / 127).half().float().clamp_min(2 ** -14)
+    return (torch.round(g / scale).clamp(-127, 127) * scale).reshape(w.shape).contiguous()
+
+
+def test_blockq_head_scores_exactly_and_refuses_other_heads(tiny256):
+    """The blockq candidate pass scores in float32 on the head's own blocks (within float32
+    rounding of x @ H.T, any row count, chunks beyond the kernels' rows); a head without
+    exact blocks is refused naming the setting, and ``auto`` does not offer it there."""
+    head = q8_exact(torch.randn(300, 64, generator=torch.Generator().manual_seed(3)) * 0.05)
+    why = blockq_head_unavailable(head)
+    if why is not None:
+        pytest.skip(why)
+    from dspine.runtime.blockq import MAX_ROWS
+    k = BlockQHead(head)
+    for m in (1, 3, MAX_ROWS + 5):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        torch.testing.assert_close(k.scores(x), x @ head.T, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(k.scores(x), x @ (head * 1.01).T, rtol=1e-5, atol=1e-5)  # negative control
+    assert k.nbytes() == 300 * 64 + 300 * 2 * 4
+    plain = torch.randn(300, 64)  # not stored in blocks
+    assert "exact GGUF blocks" in blockq_head_unavailable(plain)
+    with pytest.raises(ValueError, match="--head-kernel blockq"):
+        plan_candidate_pass(plain, torch.float32, "blockq")
+    seen = []
+    plan_candidate_pass(plain, torch.float32, "auto", redo=True, progress=False,
+                        timer=lambda name, fn, r, cap: seen.append(name) or 1e-3)
+    assert "blockq" not in seen and "exact" in seen
+    seen.clear()
+    cp = plan_candidate_pass(head, torch.float32, "auto", redo=True, progress=False,
+                             timer=lambda name, fn, r, cap: seen.append(name) or (1e-4 if name == "blockq" else 1e-3))
+    assert "blockq" in seen and set(cp.plan.values()) == {"blockq"}
 
 
 def test_forced_kernel_and_bad_name(tiny256):

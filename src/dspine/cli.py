@@ -78,7 +78,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
     the shipped default of the target and mode. ``verify_policy``: ``fixed`` or
     ``cost`` (:mod:`dspine.policy`). ``head_kernel``: the drafter's candidate-pass kernel,
-    ``auto`` (measured on this machine, cached) or int8 / bfloat16 / exact
+    ``auto`` (measured on this machine, cached) or int8 / bfloat16 / exact / blockq
     (:mod:`dspine.tune.head`). ``progress``: say on stderr when a one-time measurement
     runs. ``linear_backend``: the target's linear layers, ``aten`` (PyTorch's default),
     ``onednn`` (pre-packed weights) or ``auto`` (measured, :mod:`dspine.runtime.packed`);
@@ -332,7 +332,8 @@ def add_generate_parser(sub) -> None:
     add_proposer_args(p)
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
-                        "`dspine tune` shows the table) | int8 | bfloat16 | exact")
+                        "`dspine tune` shows the table) | int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's "
+                        "blocks)")
     add_target_runtime_args(p)
     add_tree_args(p, DEFAULT_TREE_BUDGET)
     p.add_argument("--threads", type=thread_count, default=0,

@@ -139,7 +139,7 @@ def add_serve_parser(sub) -> None:
                         "global (every request: only when all clients may see each other's outputs)")
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
-                        "int8 | bfloat16 | exact")
+                        "int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's blocks)")
     p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's default, one per core)")
     p.add_argument("--log-level", default="warning")

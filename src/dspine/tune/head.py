@@ -11,7 +11,11 @@ per bucket of row counts, among:
 - ``int8``: :class:`dspine.final_stage.QuantizedHead` (row-scaled int8 copy, V*d bytes;
   FP8 on CUDA);
 - ``bfloat16``: a bfloat16 copy of H (2*V*d bytes), scores in bfloat16;
-- ``exact``: H itself in the drafter's dtype (no copy).
+- ``exact``: H itself in the drafter's dtype (no copy);
+- ``blockq``: where H holds exact GGUF blocks (a float32 target converted from a GGUF, e.g.
+  SmolLM2's Q8_0 embedding) and the blockq kernels build here: exact float32 scores on
+  those blocks (``dspine.runtime.blockq``), ~1 byte per weight read, no copy beyond the
+  blocks the target's own head already uses on ``--linear-backend blockq``.
 
 Candidates only propose; they never decide the target's output, so every kernel keeps
 decoding lossless. Kernels can differ in which tokens enter the coarse pool (int8
@@ -26,7 +30,7 @@ from .choose import Choice, choose_fastest
 
 #: Measured in this order (the exact head first: it is never pathological, so a kernel
 #: whose first call is many times slower is cut off early, :func:`choose_fastest`).
-HEAD_KERNELS = ("exact", "bfloat16", "int8")
+HEAD_KERNELS = ("exact", "bfloat16", "int8", "blockq")
 #: Row counts the choice is measured at; a call with m rows uses the smallest bucket >= m.
 ROW_BUCKETS = (1, 4, 16, 64)
 
@@ -59,6 +63,50 @@ class ExactHead:
         return (x @ self.w.to(x.dtype).T).float()
 
 
+class BlockQHead:
+    """Scores ``x @ H.T`` on H's exact blocks with the blockq kernels (float32 products and
+    sums; row r's scores do not depend on the other rows). x of any dtype is scored in
+    float32, at most the kernels' row limit per call.
+
+    Raises:
+        ValueError: H is not stored in exact blocks, or the kernels cannot be built here
+            (naming ``--head-kernel blockq``).
+    """
+
+    def __init__(self, head: torch.Tensor):
+        from ..runtime import blockq
+
+        why = blockq_head_unavailable(head)
+        if why is not None:
+            raise ValueError(f"--head-kernel blockq cannot run here: {why}")
+        self.blocks = blockq._blocks_of(head.detach())
+        self.mod = blockq.kernels(progress=False)
+        self.rows = blockq.MAX_ROWS
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.blocks)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        call = self.mod.q4_linear if len(self.blocks) == 3 else self.mod.q8_linear
+        if x.shape[0] <= self.rows:
+            return call(x, *self.blocks)
+        return torch.cat([call(x[i:i + self.rows].contiguous(), *self.blocks) for i in range(0, x.shape[0], self.rows)])
+
+
+def blockq_head_unavailable(head: torch.Tensor) -> str | None:
+    """None when :class:`BlockQHead` can score with ``head`` [V, d], else why not."""
+    from ..runtime import blockq
+
+    if head.dtype != torch.float32 or head.device.type != "cpu":
+        return "the head is not a float32 CPU tensor"
+    if blockq.kernels(progress=False) is None:
+        return f"the blockq kernels are not built here ({blockq.unavailable_reason()})"
+    if blockq._blocks_of(head.detach()) is None:
+        return "the head is not stored in exact GGUF blocks (Q8_0 / Q4_1)"
+    return None
+
+
 def make_kernel(name: str, head: torch.Tensor):
     """Build one coarse-pass kernel by name. Raises ValueError for an unknown name
     (naming ``--head-kernel`` and the accepted values)."""
@@ -68,6 +116,8 @@ def make_kernel(name: str, head: torch.Tensor):
         return DenseHead(head, torch.bfloat16)
     if name == "exact":
         return ExactHead(head)
+    if name == "blockq":
+        return BlockQHead(head)
     raise ValueError(f"--head-kernel {name!r} is unknown; accepted: auto, {', '.join(HEAD_KERNELS)}")
 
 
@@ -121,10 +171,13 @@ def plan_candidate_pass(head: torch.Tensor, x_dtype: torch.dtype, kernel: str = 
         ValueError: unknown kernel name.
     """
     if kernel != "auto":
+        if kernel == "blockq":  # its blocks are the head's own (cached on it): build it once
+            return CandidatePass(head, {b: kernel for b in ROW_BUCKETS}, kernels={"blockq": BlockQHead(head)})
         make_kernel(kernel, head[:1])  # validates the name before building a full copy
         return CandidatePass(head, {b: kernel for b in ROW_BUCKETS})
     V, d = head.shape
-    built = {n: make_kernel(n, head) for n in HEAD_KERNELS}
+    names = [n for n in HEAD_KERNELS if n != "blockq" or blockq_head_unavailable(head) is None]
+    built = {n: make_kernel(n, head) for n in names}
     g = torch.Generator(device="cpu").manual_seed(0)
     choices: dict[int, Choice] = {}
     sync = torch.cuda.synchronize if head.is_cuda else (lambda: None)
@@ -134,9 +187,13 @@ def plan_candidate_pass(head: torch.Tensor, x_dtype: torch.dtype, kernel: str = 
         def run(k=None, x=x):
             k.scores(x)
             sync()
-        alts = {n: (lambda k=built[n], x=x: run(k, x)) for n in HEAD_KERNELS}
+        alts = {n: (lambda k=built[n], x=x: run(k, x)) for n in names}
         key = f"head:V={V},d={d},x={str(x_dtype).replace('torch.', '')},dev={head.device.type},m={b}"
+        if "blockq" in names:
+            from ..runtime.blockq import source_version
+
+            key += f",blockq={source_version()}"
         choices[b] = choose_fastest(key, alts, timer=timer, redo=redo, progress=progress,
-                                    what=f"the drafter's candidate-pass kernels (int8, bfloat16, exact) at {b} rows",
+                                    what=f"the drafter's candidate-pass kernels ({', '.join(names)}) at {b} rows",
                                     device=str(head.device))
     return CandidatePass(head, {b: c.chosen for b, c in choices.items()}, choices, kernels=built)
