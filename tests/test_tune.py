@@ -263,6 +263,25 @@ def test_exploration_is_rarer_when_a_full_block_is_expensive():
     assert dear.explore_period(15, 15) == 16  # never below explore_every
 
 
+def test_exploration_verifies_at_most_twice_the_chosen_cost():
+    """An exploration verifies the longest n costing at most 2x the chosen n (the lean
+    path's curve: 7 ms plain step, 8 / 9 / 11 / 18 ms for 1-4 proposals -> 3), not the
+    whole block; a request whose proposals are never accepted explores that n, never 15."""
+    from types import SimpleNamespace
+
+    lean = CostCurve([0.007, 0.008, 0.009, 0.011, 0.018] + [0.02 + 0.0015 * k for k in range(11)])
+    pol = CostModelPolicy(lean, prior_accept=0.01, explore_every=4, observe_costs=False)
+    assert pol.explore_length(0, 15) == 3 and pol.explore_length(0, 2) == 2 and pol.explore_length(15, 15) == 15
+    assert CostModelPolicy(CostCurve([1.0, 2.5, 3.0]), explore_every=4).explore_length(0, 2) == 0
+    req = SimpleNamespace(cycles=[])
+    got = []
+    for _ in range(40):
+        n = pol(req, 15)
+        got.append(n)
+        req.cycles.append(SimpleNamespace(n=n, emitted=1, draft_s=0.0, final_s=0.0, verify_s=lean.cycle_s(n)))
+    assert set(got) <= {0, 3} and got.count(3) >= 2 and 15 not in got
+
+
 def _finished_request(policy, cycles):
     from types import SimpleNamespace
     req = SimpleNamespace(cycles=[SimpleNamespace(n=n, emitted=e, draft_s=0.01, final_s=0.01, verify_s=0.1)

@@ -43,6 +43,7 @@ class DraftContextCache:
         self.valid: torch.Tensor | None = None  # [cap] bool
         self.written = 0  # positions ever appended (pending ones not yet)
         self.pending: list[tuple[torch.Tensor, int]] = []  # (features [n, F*d], first position)
+        self._pending_n = 0  # positions in ``pending``
         self._project = project
 
     def defer(self, features: torch.Tensor, start_pos: int) -> None:
@@ -52,9 +53,9 @@ class DraftContextCache:
         if features.shape[0] == 0:
             return
         self.pending.append((features.detach().clone(), int(start_pos)))
-        total = sum(f.shape[0] for f, _ in self.pending)
-        while total - self.pending[0][0].shape[0] >= self.window:
-            total -= self.pending.pop(0)[0].shape[0]
+        self._pending_n += features.shape[0]
+        while self._pending_n - self.pending[0][0].shape[0] >= self.window:
+            self._pending_n -= self.pending.pop(0)[0].shape[0]
 
     def pending_items(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(features [n, F*d], positions [n]) pending, at most the last ``window``; clears them."""
@@ -62,7 +63,7 @@ class DraftContextCache:
             return None
         feats = torch.cat([f for f, _ in self.pending])
         pos = torch.cat([torch.arange(p, p + f.shape[0], device=f.device) for f, p in self.pending])
-        self.pending = []
+        self.pending, self._pending_n = [], 0
         return feats[-self.window:], pos[-self.window:]
 
     def flush(self) -> None:
