@@ -81,15 +81,22 @@ inline void q4_block(const uint8_t* q, const float* d, const float* m, int64_t b
 // A group of R rows shares each dequantized weight block (R * 2 sums in registers), which is
 // what makes a few-row verification cost little more than one row.
 #if defined(DSPINE_AVX512)
-template <int R>
-inline void q4_dots(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y, int64_t N,
-                    int64_t n) {
-  const int64_t nb = K / QK;
+// the 32 weights of Q8_0 block b of a row, rebuilt in float32: weights 0..15 and 16..31
+inline void q8_block(const int8_t* q, const float* d, int64_t b, __m512 w[2]) {
+  const __m512 D = _mm512_set1_ps(d[b]);
+  const int8_t* qb = q + b * QK;
+  w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D);
+  w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D);
+}
+
+// R rows' dot products with one weight row whose blocks ``block(b, w)`` rebuilds
+template <int R, typename Block>
+inline void dots(const float* x, int64_t K, const Block& block, float* y, int64_t N, int64_t n) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < K / QK; ++b) {
     __m512 w[2];
-    q4_block(q, d, m, b, w);
+    block(b, w);
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x + r * K + b * QK), acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + r * K + b * QK + 16), acc[r][1]);
@@ -97,54 +104,22 @@ inline void q4_dots(const float* x, int64_t K, const uint8_t* q, const float* d,
   }
   for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
-
-template <int R>
-inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n) {
-  const int64_t nb = K / QK;
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 D = _mm512_set1_ps(d[b]);
-    const int8_t* qb = q + b * QK;
-    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), D);
-    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), D);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + b * QK), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * K + b * QK + 16), acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-}
 #elif defined(DSPINE_AVX2)
-template <int R>
-inline void q4_dots(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y, int64_t N,
-                    int64_t n) {
-  const int64_t nb = K / QK;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256 w[4];
-    q4_block(q, d, m, b, w);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * K + b * QK;
-      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]));
-      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]));
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+// the 32 weights of Q8_0 block b of a row, rebuilt in float32: weights 0..7, 8..15, 16..23, 24..31
+inline void q8_block(const int8_t* q, const float* d, int64_t b, __m256 w[4]) {
+  const __m256 D = _mm256_set1_ps(d[b]);
+  const int8_t* qb = q + b * QK;
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i)))), D);
 }
 
-template <int R>
-inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n) {
-  const int64_t nb = K / QK;
+template <int R, typename Block>
+inline void dots(const float* x, int64_t K, const Block& block, float* y, int64_t N, int64_t n) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256 D = _mm256_set1_ps(d[b]);
-    const int8_t* qb = q + b * QK;
+  for (int64_t b = 0; b < K / QK; ++b) {
     __m256 w[4];
-    for (int i = 0; i < 4; ++i)
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i)))), D);
+    block(b, w);
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * K + b * QK;
       acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]));
@@ -154,38 +129,44 @@ inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, 
   for (int r = 0; r < R; ++r) y[r * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 #else
+inline void q4_block(const uint8_t* q, const float* d, const float* m, int64_t b, float w[QK]) {
+  for (int64_t j = 0; j < 16; ++j) {
+    w[j] = d[b] * float(q[b * 16 + j] & 0x0F) + m[b];
+    w[j + 16] = d[b] * float(q[b * 16 + j] >> 4) + m[b];
+  }
+}
+
+inline void q8_block(const int8_t* q, const float* d, int64_t b, float w[QK]) {
+  for (int64_t j = 0; j < QK; ++j) w[j] = d[b] * float(q[b * QK + j]);
+}
+
+template <int R, typename Block>
+inline void dots(const float* x, int64_t K, const Block& block, float* y, int64_t N, int64_t n) {
+  float acc[R] = {0.0f};
+  for (int64_t b = 0; b < K / QK; ++b) {
+    float w[QK];
+    block(b, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * QK;
+      float s = 0.0f;
+      for (int64_t j = 0; j < QK; ++j) s += w[j] * xr[j];
+      acc[r] += s;
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N + n] = acc[r];
+}
+#endif
+
 template <int R>
 inline void q4_dots(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y, int64_t N,
                     int64_t n) {
-  const int64_t nb = K / QK;
-  for (int r = 0; r < R; ++r) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xr = x + r * K + b * QK;
-      float s = 0.0f;
-      for (int64_t j = 0; j < 16; ++j) s += (d[b] * float(q[b * 16 + j] & 0x0F) + m[b]) * xr[j];
-      for (int64_t j = 0; j < 16; ++j) s += (d[b] * float(q[b * 16 + j] >> 4) + m[b]) * xr[j + 16];
-      acc += s;
-    }
-    y[r * N + n] = acc;
-  }
+  dots<R>(x, K, [&](int64_t b, auto* w) { q4_block(q, d, m, b, w); }, y, N, n);
 }
 
 template <int R>
 inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n) {
-  const int64_t nb = K / QK;
-  for (int r = 0; r < R; ++r) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xr = x + r * K + b * QK;
-      float s = 0.0f;
-      for (int64_t j = 0; j < QK; ++j) s += (d[b] * float(q[b * QK + j])) * xr[j];
-      acc += s;
-    }
-    y[r * N + n] = acc;
-  }
+  dots<R>(x, K, [&](int64_t b, auto* w) { q8_block(q, d, b, w); }, y, N, n);
 }
-#endif
 
 // rows sharing one dequantized weight block (2 sums each: 8 of the 16 AVX2 registers); groups
 // of 8 measured no faster on AVX-512 (docs/decisions.md, session 20)
