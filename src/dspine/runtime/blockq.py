@@ -13,8 +13,10 @@ two linear backends), decoded with fewer bytes per token.
 The kernels are compiled once per machine with ``torch.utils.cpp_extension`` (a C++
 compiler and ninja; ``-march=native``) into ``$DSPINE_HOME/kernels``; where that fails
 the backend is simply not offered (:func:`kernels`, :func:`unavailable_reason`).
-Multi-row inputs (verification, prefill) use oneDNN on packed float32 weights as
-``mixed`` does.
+Inputs of up to a measured row limit (:func:`choose_rows`; at most :data:`MAX_ROWS`: a
+decode step, a verification) take the kernels, which sum every dot product in one order
+whatever the number of rows (row r of a verification is bitwise row r alone); longer ones
+(the prompt's prefill) use oneDNN on packed float32 weights as ``mixed`` does.
 """
 from __future__ import annotations
 
