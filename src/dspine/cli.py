@@ -72,7 +72,8 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                  verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
                  progress: bool = False, persist: bool = False, linear_backend: str = "aten",
                  proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto",
-                 tree=None, ngram_cache_tokens: int = 0, copy_bonus: float | None = None):
+                 tree=None, ngram_cache_tokens: int = 0, copy_bonus: float | None = None,
+                 drafter_linears: str = "auto"):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
@@ -91,7 +92,9 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     ``ngram_cache_tokens`` > 0: a cross-request cache of earlier outputs for the copies
     (:mod:`dspine.proposers.cache`); ``copy_bonus``: the hybrid fuses copies into the DSpine
     final stage (:class:`dspine.proposers.HybridProposer`). ``tree``: a
-    :class:`dspine.trees.TreeSpec` (draft trees of the drafter modes; None = chains). ``persist``: the cost policy starts from (and can save) the acceptance profile of
+    :class:`dspine.trees.TreeSpec` (draft trees of the drafter modes; None = chains).
+    ``drafter_linears``: the drafter's own linears, ``auto`` (measured), ``float32`` or ``q8``
+    (:mod:`dspine.tune.drafter`; the output stays the target's either way). ``persist``: the cost policy starts from (and can save) the acceptance profile of
     earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
     runtime has not validated are refused
     before anything is loaded, and again against the loaded target/drafter
@@ -183,7 +186,11 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     validate_runtime(target, model.cfg, block_size=block_size, **guard)
     set_up_target()
     with torch.no_grad():
-        prop = make_proposer(proposer, DrafterProposer(model, head_kernel=head_kernel),
+        try:
+            drafting = DrafterProposer(model, head_kernel=head_kernel, linears=drafter_linears)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        prop = make_proposer(proposer, drafting,
                              ngram_max=ngram_max, ngram_min=ngram_min, cache_tokens=ngram_cache_tokens,
                              copy_bonus=copy_bonus)
         policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop,
@@ -213,7 +220,8 @@ def cmd_generate(args) -> int:
                                   head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
                                   linear_backend=args.linear_backend, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime,
-                                  tree=_tree_spec(args), copy_bonus=args.copy_bonus)
+                                  tree=_tree_spec(args), copy_bonus=args.copy_bonus,
+                                  drafter_linears=args.drafter_linears)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -330,6 +338,10 @@ def add_generate_parser(sub) -> None:
                         "plain target steps when drafting does not pay on this machine; non-anticipating, "
                         "so sampling stays exact) | fixed (verify the whole block every cycle)")
     add_proposer_args(p)
+    p.add_argument("--drafter-linears", default="auto", choices=("auto", "float32", "q8"),
+                   help="the drafter's own linear layers: auto (measured on this machine, cached) | float32 (as "
+                        "trained) | q8 (a copy rounded to Q8_0 blocks on the blockq kernels; the drafter only "
+                        "proposes, so the output is the target's either way)")
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's "

@@ -129,20 +129,28 @@ class DraftContextCache:
 class DrafterProposer(Proposer):
     """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
 
-    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True, head_kernel: str = "auto"):
+    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True, head_kernel: str = "auto",
+                 linears: str = "float32"):
         """``use_quantized_head``: candidates from a coarse pass over the head followed by
         exact rescoring (DSpine's final stage, and the DFlash-style greedy argmax). False
         is the reference path: exact head over the full vocabulary. ``head_kernel``: the
         coarse pass's kernel, ``auto`` (measured per row count on this machine and cached,
         :mod:`dspine.tune.head`) or ``int8`` / ``bfloat16`` / ``exact``. Sampled
         DFlash-style proposals always use the dense filtered q over all V tokens (spec
-        section 10).
+        section 10). ``linears``: the drafter's own linear layers, ``float32`` (as trained),
+        ``q8`` (a copy rounded to Q8_0 blocks on the blockq kernels; the drafter only
+        proposes, so the output stays the target's) or ``auto`` (measured,
+        :mod:`dspine.tune.drafter`).
 
         Raises:
-            ValueError: unknown ``head_kernel`` (naming ``--head-kernel``).
+            ValueError: unknown ``head_kernel`` (naming ``--head-kernel``) or ``linears``
+                (naming ``--drafter-linears``), or a forced ``q8`` that cannot run here.
         """
+        from ..tune.drafter import plan_drafter_linears
         from ..tune.head import plan_candidate_pass
 
+        drafter, self.linears_choice = plan_drafter_linears(drafter.eval(), linears)
+        self.linears = "q8" if _is_q8(drafter) else "float32"
         self.drafter = drafter.eval()
         self.cfg = drafter.cfg
         self.block_size = self.cfg.block_size
@@ -154,8 +162,8 @@ class DrafterProposer(Proposer):
         """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
         kernel per row bucket, or ``exact-reference`` without a coarse pass."""
         if self.qhead is None:
-            return {"candidate_pass": "exact-reference"}
-        return {"candidate_pass": self.qhead.describe()["kernels"]}
+            return {"candidate_pass": "exact-reference", "drafter_linears": self.linears}
+        return {"candidate_pass": self.qhead.describe()["kernels"], "drafter_linears": self.linears}
 
     def new_state(self, prompt_ids):
         return DraftContextCache(self.cfg.num_layers, self.cfg.window, project=self._project)
@@ -289,6 +297,13 @@ class DrafterProposer(Proposer):
         return [self.propose(r.draft_state, r.anchor, p, n, r.sampling, r.gen, copy=getattr(r, "copy", None),
                              bonus=getattr(r, "bonus", 0.0)) for r, p, n in zip(reqs, positions, ns)]
 
+
+
+def _is_q8(drafter) -> bool:
+    """Whether ``drafter``'s linears run on Q8_0 blocks (:func:`dspine.tune.drafter.quantize_drafter`)."""
+    from ..runtime.blockq import BlockQLinear
+
+    return isinstance(drafter.fc, BlockQLinear)
 
 
 def dense_proposal(z: torch.Tensor, sampling: SamplingConfig, gen, t0: float) -> Proposal:

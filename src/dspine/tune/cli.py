@@ -75,6 +75,17 @@ def cmd_tune(args) -> int:
             "kernel per number of rows scored at once; --head-kernel auto):")
         for b, c in cp.choices.items():
             say(f"  rows<={b:<3} -> {c.chosen:<9} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
+        c = prop.linears_choice
+        say("\ndrafter linear layers (one 4-row block forward; --drafter-linears auto; q8 = a copy on Q8_0 "
+            "blocks, the output stays the target's):")
+        if c is not None:
+            report["drafter_linears"] = c.to_dict()
+            say(f"  -> {c.chosen:<9} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
+        else:
+            from .drafter import q8_unavailable
+
+            report["drafter_linears"] = {"chosen": prop.linears}
+            say(f"  -> {prop.linears:<9} (q8 not offered: {q8_unavailable(prop.drafter) or 'forced'})")
     say("\ntarget dtype for batched work (`dspine data build --dtype auto`, `dspine train features "
         "--compute-dtype auto`; decoding itself stays float32 unless --dtype says otherwise):")
     report["batched_dtype"] = {}
