@@ -73,7 +73,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                  progress: bool = False, persist: bool = False, linear_backend: str = "aten",
                  proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto",
                  tree=None, ngram_cache_tokens: int = 0, copy_bonus: float | None = None,
-                 drafter_linears: str = "auto"):
+                 drafter_linears: str = "auto", draft_vocab: str = "auto"):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
@@ -94,7 +94,9 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     final stage (:class:`dspine.proposers.HybridProposer`). ``tree``: a
     :class:`dspine.trees.TreeSpec` (draft trees of the drafter modes; None = chains).
     ``drafter_linears``: the drafter's own linears, ``auto`` (measured), ``float32`` or ``q8``
-    (:mod:`dspine.tune.drafter`; the output stays the target's either way). ``persist``: the cost policy starts from (and can save) the acceptance profile of
+    (:mod:`dspine.tune.drafter`; the output stays the target's either way). ``draft_vocab``:
+    ``auto`` (the checkpoint's ``draft_vocab.json`` when it has one), ``full`` or ``subset``
+    (:mod:`dspine.draft_vocab`). ``persist``: the cost policy starts from (and can save) the acceptance profile of
     earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
     runtime has not validated are refused
     before anything is loaded, and again against the loaded target/drafter
@@ -115,6 +117,10 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 
     if mode not in MODES:
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
+    from .draft_vocab import CHOICES as VOCAB_CHOICES, DraftVocabError, resolve as resolve_vocab
+
+    if draft_vocab not in VOCAB_CHOICES:
+        raise EngineError(f"--draft-vocab {draft_vocab!r} is unknown; accepted: {', '.join(VOCAB_CHOICES)}")
     if proposer not in PROPOSERS:
         raise EngineError(f"--proposer {proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
     from .proposers.ngram import NgramIndex
@@ -187,8 +193,10 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     set_up_target()
     with torch.no_grad():
         try:
-            drafting = DrafterProposer(model, head_kernel=head_kernel, linears=drafter_linears)
-        except ValueError as e:
+            vocab = resolve_vocab(draft_vocab, None if drafter == "random" else drafter, model.cfg.vocab_size,
+                                  model.cfg.head_topk)
+            drafting = DrafterProposer(model, head_kernel=head_kernel, linears=drafter_linears, vocab=vocab)
+        except (DraftVocabError, ValueError) as e:
             raise EngineError(str(e)) from None
         prop = make_proposer(proposer, drafting,
                              ngram_max=ngram_max, ngram_min=ngram_min, cache_tokens=ngram_cache_tokens,
@@ -196,6 +204,17 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop,
                                                                    progress=progress, persist=persist)
         return target, Engine(target, prop, mode, verify_policy=policy, tree=tree)
+
+
+def add_draft_vocab_arg(p) -> None:
+    """``--draft-vocab`` (generate, serve, acceptance; :mod:`dspine.draft_vocab`)."""
+    from .draft_vocab import CHOICES
+
+    p.add_argument("--draft-vocab", default="auto", choices=CHOICES,
+                   help="tokens the drafter's candidate pass scores: auto (the checkpoint's draft_vocab.json, "
+                        "the ids it was trained on, when it has one; else all) | full (the whole vocabulary) | "
+                        "subset (the checkpoint's; an error without one). Proposals only: the output is the "
+                        "target's either way")
 
 
 def _tree_spec(args):
@@ -221,7 +240,7 @@ def cmd_generate(args) -> int:
                                   linear_backend=args.linear_backend, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime,
                                   tree=_tree_spec(args), copy_bonus=args.copy_bonus,
-                                  drafter_linears=args.drafter_linears)
+                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -342,6 +361,7 @@ def add_generate_parser(sub) -> None:
                    help="the drafter's own linear layers: auto (measured on this machine, cached) | float32 (as "
                         "trained) | q8 (a copy rounded to Q8_0 blocks on the blockq kernels; the drafter only "
                         "proposes, so the output is the target's either way)")
+    add_draft_vocab_arg(p)
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's "

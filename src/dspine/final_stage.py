@@ -69,12 +69,18 @@ def candidates(drafter: DSpineDrafter, x: torch.Tensor, k: int, k_coarse: int,
     """Top-``k`` candidate ids per row of normed states x [m, d] -> [m, k] int64.
 
     With ``qhead``: coarse top-``k_coarse`` by the quantized head, then exact rescoring
-    of those with H, keep ``k``. Without: exact head over the full vocabulary.
+    of those with H, keep ``k``; a ``qhead`` over a draft vocabulary (its ``ids``,
+    :mod:`dspine.draft_vocab`) proposes only those ids. Without: exact head over the full
+    vocabulary.
     """
     H = drafter.head
     if qhead is None:
         return torch.topk(x @ H.to(x.dtype).T, k, dim=-1).indices
-    coarse = torch.topk(qhead.scores(x), k_coarse, dim=-1).indices  # [m, Kc]
+    scores = qhead.scores(x)  # [m, V] (or [m, Vs] over a draft vocabulary)
+    coarse = torch.topk(scores, min(k_coarse, scores.shape[1]), dim=-1).indices  # [m, Kc]
+    ids = getattr(qhead, "ids", None)
+    if ids is not None:  # columns of a draft vocabulary -> target ids (dspine.draft_vocab)
+        coarse = ids[coarse]
     exact = torch.einsum("md,mkd->mk", x, H[coarse].to(x.dtype))  # [m, Kc]
     top = torch.topk(exact, k, dim=-1).indices  # [m, k]
     return torch.gather(coarse, 1, top)

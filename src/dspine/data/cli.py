@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..argtypes import nonneg_int, positive_float, positive_int, thread_count
 from .build import MANIFEST, _data_dir, build_dataset, pack_dataset, parse_shard, read_manifest, verify_packed
@@ -61,6 +62,32 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_vocab(args) -> int:
+    """Write a drafter checkpoint's ``draft_vocab.json`` from regenerated training data."""
+    from ..draft import DrafterError, check_fits_target
+    from ..config import DSpineConfig
+    from ..draft_vocab import coverage, frequent_tokens, save_draft_vocab
+    from ..target import load_target
+    from .build import load_dataset
+
+    ck = Path(args.drafter)
+    if not (ck / "config.json").is_file():
+        raise DrafterError(f"--drafter {args.drafter}: no config.json (expected a drafter checkpoint directory)")
+    cfg = DSpineConfig.load(ck)
+    target = load_target(args.target)
+    check_fits_target(cfg, target, where=f"--drafter {args.drafter}")
+    if not cfg.head_topk <= args.size:
+        raise ValueError(f"--size {args.size} is below the final stage's {cfg.head_topk} candidates per row")
+    seqs = [(s.input_ids, s.response_start) for d in args.data for s in load_dataset(d, target)]
+    ids = frequent_tokens(seqs, args.size, cfg.vocab_size)
+    cov = coverage(ids, seqs)
+    f = save_draft_vocab(ck, ids, {"source": f"dspine data vocab --size {args.size}: the most frequent response "
+                                             f"tokens of {', '.join(str(d) for d in args.data)}",
+                                   "rows": len(seqs), "coverage_of_training_responses": round(cov, 4)})
+    print(json.dumps({"out": str(f), "size": int(ids.numel()), "rows": len(seqs), "coverage": round(cov, 4)}))
+    return 0
+
+
 def add_data_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``dspine data build|info`` on an argparse subparsers object (sets ``func``)."""
     p = subparsers.add_parser("data", help="build and inspect drafter training data")
@@ -76,6 +103,14 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     pack = sub.add_parser("pack", help=pack_help, description=pack_help[0].upper() + pack_help[1:] + ".")
     pack.add_argument("dir", help="a `dspine data build` directory (with manifest.json)")
     pack.set_defaults(func=_cmd_pack)
+    vocab = sub.add_parser("vocab", help="write a drafter's draft vocabulary (draft_vocab.json: the most "
+                                         "frequent response tokens of training data; --draft-vocab)")
+    vocab.add_argument("--data", nargs="+", required=True, help="`dspine data build` directories (training data only)")
+    vocab.add_argument("--drafter", required=True, help="checkpoint directory to write draft_vocab.json into")
+    vocab.add_argument("--size", type=positive_int, default=8192, help="ids to keep (default: 8192, as "
+                                                                       "`dspine train --vocab-subset`)")
+    vocab.add_argument("--target", default="smollm2-135m")
+    vocab.set_defaults(func=_cmd_vocab)
     info = sub.add_parser("info", help="print a data directory's manifest summary")
     info.add_argument("dir")
     info.set_defaults(func=_cmd_info)

@@ -14,6 +14,7 @@ import torch
 from ..config import SamplingConfig
 from ..final_stage import candidates, chain, conditional_tables, fused_tables, parallel_argmax
 from ..model import DSpineDrafter
+from ..runtime.lean_drafter import block_forward
 from ..sampling import filter_probs, sample_index, uniform
 from .base import Proposal, Proposer
 
@@ -130,7 +131,7 @@ class DrafterProposer(Proposer):
     """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
 
     def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True, head_kernel: str = "auto",
-                 linears: str = "float32"):
+                 linears: str = "float32", vocab: torch.Tensor | None = None):
         """``use_quantized_head``: candidates from a coarse pass over the head followed by
         exact rescoring (DSpine's final stage, and the DFlash-style greedy argmax). False
         is the reference path: exact head over the full vocabulary. ``head_kernel``: the
@@ -140,7 +141,10 @@ class DrafterProposer(Proposer):
         section 10). ``linears``: the drafter's own linear layers, ``float32`` (as trained),
         ``q8`` (a copy rounded to Q8_0 blocks on the blockq kernels; the drafter only
         proposes, so the output stays the target's) or ``auto`` (measured,
-        :mod:`dspine.tune.drafter`).
+        :mod:`dspine.tune.drafter`). ``vocab``: a draft vocabulary [Vs] int64 of sorted
+        target ids (:mod:`dspine.draft_vocab`): the candidate pass scores only those rows of
+        the head (tokens outside are never proposed; needs ``use_quantized_head``); None =
+        the whole vocabulary.
 
         Raises:
             ValueError: unknown ``head_kernel`` (naming ``--head-kernel``) or ``linears``
@@ -155,15 +159,21 @@ class DrafterProposer(Proposer):
         self.cfg = drafter.cfg
         self.block_size = self.cfg.block_size
         self.feature_layers = list(self.cfg.feature_layers)
-        self.qhead = (plan_candidate_pass(drafter.head, drafter.fc.weight.dtype, head_kernel)
+        if vocab is not None and not use_quantized_head:
+            raise ValueError("--draft-vocab: a draft vocabulary needs the coarse candidate pass "
+                             "(the exact reference path scores the whole vocabulary)")
+        self.qhead = (plan_candidate_pass(drafter.head, drafter.fc.weight.dtype, head_kernel, ids=vocab)
                       if use_quantized_head else None)
+        self.draft_vocab = 0 if vocab is None else int(vocab.numel())
 
     def kernel_info(self) -> dict:
         """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
         kernel per row bucket, or ``exact-reference`` without a coarse pass."""
         if self.qhead is None:
-            return {"candidate_pass": "exact-reference", "drafter_linears": self.linears}
-        return {"candidate_pass": self.qhead.describe()["kernels"], "drafter_linears": self.linears}
+            return {"candidate_pass": "exact-reference", "drafter_linears": self.linears,
+                    "draft_vocab": self.cfg.vocab_size}
+        return {"candidate_pass": self.qhead.describe()["kernels"], "drafter_linears": self.linears,
+                "draft_vocab": self.draft_vocab or self.cfg.vocab_size}
 
     def new_state(self, prompt_ids):
         return DraftContextCache(self.cfg.num_layers, self.cfg.window, project=self._project)
@@ -221,7 +231,7 @@ class DrafterProposer(Proposer):
         # a block-causal drafter runs only the rows it proposes from (same values as the
         # full block, model.forward_blocks); a short verification length costs less
         rows = max(1, n + 1) if self.cfg.block_causal else None
-        out = d.forward_blocks(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
+        out = block_forward(d)(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
         t1 = time.perf_counter()
         if n == 0:
             return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)
@@ -272,7 +282,7 @@ class DrafterProposer(Proposer):
         kv, cpos, cvalid = state.as_batch()
         a = torch.tensor([[anchor]], device=dev)
         rows = depth + 1 if self.cfg.block_causal else None
-        out = d.forward_blocks(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
+        out = block_forward(d)(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
         t1 = time.perf_counter()
         cand, T = self._tables(out, a, depth)
         cand, T = cand.cpu(), T.cpu()

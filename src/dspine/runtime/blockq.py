@@ -164,7 +164,7 @@ class BlockQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > self.rows or x.dtype != torch.float32 or self._mod is None:
+        if not 1 <= rows <= self.rows or x.dtype != torch.float32 or self._mod is None:
             return self.inner(x)
         x2 = x.reshape(rows, self.in_features).contiguous()
         y = (self._mod.q4_linear(x2, self.b0, self.b1, self.b2) if self.kind == "q4"

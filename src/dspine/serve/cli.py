@@ -62,7 +62,7 @@ def cmd_serve(args) -> int:
                                   persist=True, linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                   ngram_cache_tokens=args.ngram_cache_tokens, copy_bonus=args.copy_bonus,
-                                  drafter_linears=args.drafter_linears)
+                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
@@ -141,6 +141,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--drafter-linears", default="auto", choices=("auto", "float32", "q8"),
                    help="the drafter's own linear layers: auto (measured, cached) | float32 | q8 (Q8_0 blocks; "
                         "the output is the target's either way)")
+    from ..cli import add_draft_vocab_arg
+
+    add_draft_vocab_arg(p)
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
                         "int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's blocks)")

@@ -21,7 +21,7 @@ from ..argtypes import PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
                        progress: bool = False, proposer: str = "drafter", tree=None,
-                       copy_bonus: float | None = None) -> dict:
+                       copy_bonus: float | None = None, vocab: torch.Tensor | None = None) -> dict:
     """Held-out mean acceptance length tau per prompt set, by the engine loop (greedy).
 
     ``proposer``: ``drafter`` (the drafter alone, the default: what training improves),
@@ -30,6 +30,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     ``tree``: a :class:`dspine.trees.TreeSpec` to verify draft trees (the target must run the
     dense runtime); the result then also holds ``tree_nodes_<set>``, the mean nodes per cycle.
     ``copy_bonus``: the hybrid fuses copies into the final stage (``--copy-bonus``).
+    ``vocab``: a draft vocabulary for the candidate pass (:mod:`dspine.draft_vocab`; None = all).
 
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
     "n_<set>": prompts}``. Prompts come from :func:`dspine.data.sources.heldout_prompts`
@@ -43,7 +44,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
 
     was_training = drafter.training
     drafter.eval()
-    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter), copy_bonus=copy_bonus),
+    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter, vocab=vocab), copy_bonus=copy_bonus),
                  drafter.cfg.mode, tree=tree)
     res = {}
     for s in sets:
@@ -296,6 +297,12 @@ def cmd_train(args) -> int:
     if rank == 0:
         final = out / "final"
         save_drafter(tr.model, final, dtype=torch.bfloat16)
+        if tr.subset is not None:  # the ids the CE pushed: the candidate pass scores only these
+            from ..draft_vocab import coverage, save_draft_vocab
+
+            sub = tr.subset.cpu()
+            save_draft_vocab(final, sub, {"source": "dspine train --vocab-subset (the CE's token ids)",
+                                          "coverage_of_training_responses": round(coverage(sub, seqs), 4)})
         # training ran the target in --feature-dtype; casting it back would keep rounded
         # weights, so the held-out measurement loads the float32 target afresh
         del target
@@ -423,10 +430,16 @@ def cmd_acceptance(args) -> int:
                                f"not {args.proposer}")
         print("dspine acceptance: note: --copy-bonus ignored: the DFlash-style drafter has no final stage "
               "to fuse copies into", file=sys.stderr, flush=True)
+    from ..draft_vocab import resolve
+
+    vocab = resolve(args.draft_vocab, None if args.drafter == "random" else args.drafter, model.cfg.vocab_size,
+                    model.cfg.head_topk)
     apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
-                             progress=True, proposer=args.proposer, tree=spec, copy_bonus=args.copy_bonus)
-    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer, **res}))
+                             progress=True, proposer=args.proposer, tree=spec, copy_bonus=args.copy_bonus,
+                             vocab=vocab)
+    print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer,
+                      "draft_vocab": 0 if vocab is None else int(vocab.numel()), **res}))
     return 0
 
 
@@ -517,4 +530,7 @@ def add_train_parser(sub) -> None:
     a.add_argument("--copy-bonus", type=nonneg_float, default=None, metavar="B",
                    help="with --proposer hybrid: fuse copies into the DSpine final stage's chain (score bonus B)")
     add_tree_args(a)
+    from ..cli import add_draft_vocab_arg
+
+    add_draft_vocab_arg(a)
     a.set_defaults(func=cmd_acceptance)

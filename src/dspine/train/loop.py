@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ..config import DSpineConfig
 from ..draft import check_fits_target, save_drafter
+from ..draft_vocab import frequent_tokens  # noqa: F401 (re-exported for existing imports)
 from ..guards import resolve_device
 from ..model import DSpineDrafter
 from .losses import collate, cosine_lr, drafter_losses, sample_anchors, target_topk, weight_sum
@@ -107,15 +108,6 @@ def init_distributed(device: str | torch.device = "cpu") -> tuple[int, int]:
             torch.cuda.set_device(dev)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return _dist_info()
-
-
-def frequent_tokens(seqs: list[tuple[list[int], int]], n: int, vocab: int) -> torch.Tensor:
-    """The ``n`` most frequent token ids in the responses (sorted ids) [n] int64."""
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for s, r in seqs:
-        counts += torch.bincount(torch.tensor(s[r:], dtype=torch.long), minlength=vocab)
-    n = min(n, vocab)
-    return torch.sort(torch.topk(counts, n).indices).values
 
 
 class Trainer:

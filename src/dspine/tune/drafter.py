@@ -67,6 +67,10 @@ def quantize_drafter(drafter):
                 blocks = blockq.pack_q8(ch.weight.data)
                 if blocks is not None:
                     setattr(mod, name, blockq.BlockQLinear(ch, blocks, rows=blockq.MAX_ROWS))
+    from ..runtime.lean_drafter import LeanDrafter, lean_drafter_support
+
+    # one request's block forward in one C++ call where it runs (dspine.runtime.lean_drafter)
+    object.__setattr__(out, "_lean", LeanDrafter(out) if lean_drafter_support(out) is None else None)
     return out.eval()
 
 
@@ -82,9 +86,13 @@ def _forward(drafter, rows: int = 4, context: int = 64):
     apos = torch.tensor([[context]])
     valid = torch.ones(1, context, dtype=torch.bool)
 
+    from ..runtime.lean_drafter import block_forward
+
+    forward = block_forward(drafter)
+
     def run():
         with torch.no_grad():
-            drafter.forward_blocks(anchor, apos, kv, pos, valid, rows=rows if cfg.block_causal else None)
+            forward(anchor, apos, kv, pos, valid, rows=rows if cfg.block_causal else None)
     return run
 
 
@@ -110,7 +118,7 @@ def plan_drafter_linears(drafter, kind: str = "auto", *, redo: bool = False, tim
 
     q8 = quantize_drafter(drafter)
     cfg = drafter.cfg
-    key = (f"drafter-linears:d={cfg.target_hidden},L={cfg.num_layers},ffn={cfg.ffn},F={len(cfg.feature_layers)},"
+    key = (f"drafter-linears:lean={getattr(q8, '_lean', None) is not None},d={cfg.target_hidden},L={cfg.num_layers},ffn={cfg.ffn},F={len(cfg.feature_layers)},"
            f"bridge={cfg.bridge},blockq={source_version()}")
     choice = choose_fastest(key, {"float32": _forward(drafter), "q8": _forward(q8)}, timer=timer, redo=redo,
                             progress=progress, rounds=3, what="the drafter's linear layers (float32 vs q8 blocks)")

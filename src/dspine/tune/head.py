@@ -51,13 +51,14 @@ class DenseHead:
 
 
 class ExactHead:
-    """H itself (no copy): scores ``x @ H.T`` in x's dtype."""
+    """H itself (no copy; ``owned``: a copy only this kernel holds, e.g. the rows of a draft
+    vocabulary, counted by :meth:`nbytes`): scores ``x @ H.T`` in x's dtype."""
 
-    def __init__(self, head: torch.Tensor):
-        self.w = head
+    def __init__(self, head: torch.Tensor, owned: bool = False):
+        self.w, self.owned = head, owned
 
     def nbytes(self) -> int:
-        return 0
+        return self.w.numel() * self.w.element_size() if self.owned else 0
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.w.to(x.dtype).T).float()
@@ -107,15 +108,16 @@ def blockq_head_unavailable(head: torch.Tensor) -> str | None:
     return None
 
 
-def make_kernel(name: str, head: torch.Tensor):
-    """Build one coarse-pass kernel by name. Raises ValueError for an unknown name
-    (naming ``--head-kernel`` and the accepted values)."""
+def make_kernel(name: str, head: torch.Tensor, owned: bool = False):
+    """Build one coarse-pass kernel by name (``owned``: ``head`` is a copy made for this pass,
+    see :class:`ExactHead`). Raises ValueError for an unknown name (naming ``--head-kernel``
+    and the accepted values)."""
     if name == "int8":
         return QuantizedHead(head)
     if name == "bfloat16":
         return DenseHead(head, torch.bfloat16)
     if name == "exact":
-        return ExactHead(head)
+        return ExactHead(head, owned)
     if name == "blockq":
         return BlockQHead(head)
     raise ValueError(f"--head-kernel {name!r} is unknown; accepted: auto, {', '.join(HEAD_KERNELS)}")
@@ -132,15 +134,20 @@ class CandidatePass:
     ``plan``: bucket -> kernel name; ``kernels``: name -> kernel object (only those the
     plan uses are kept, so an int8 copy that is never chosen costs no memory).
     ``choices``: the :class:`Choice` of each bucket (empty when the kernel was forced).
+    ``ids``: the draft vocabulary [Vs] int64 (:mod:`dspine.draft_vocab`) when ``head`` holds
+    only those rows of the target's head (column j of :meth:`scores` is token ``ids[j]``),
+    else None (column j is token j).
     """
 
     def __init__(self, head: torch.Tensor, plan: dict[int, str], choices: dict[int, Choice] | None = None,
-                 kernels: dict | None = None):
+                 kernels: dict | None = None, ids: torch.Tensor | None = None):
         self.plan = {b: plan[b] for b in ROW_BUCKETS}
         kernels = kernels or {}
-        self.kernels = {n: kernels.get(n) or make_kernel(n, head) for n in sorted(set(self.plan.values()))}
+        self.kernels = {n: kernels.get(n) or make_kernel(n, head, owned=ids is not None)
+                        for n in sorted(set(self.plan.values()))}
         self.choices = choices or {}
         self.device = head.device
+        self.ids = None if ids is None else ids.to(head.device)
 
     def kernel_for(self, m: int) -> str:
         return self.plan[bucket(m)]
@@ -156,28 +163,36 @@ class CandidatePass:
     def describe(self) -> dict:
         """``{"rows<=m": kernel}`` and why (for ``--json`` stats and ``dspine tune``)."""
         out = {"kernels": {f"rows<={b}": n for b, n in self.plan.items()}}
+        if self.ids is not None:
+            out["draft_vocab"] = int(self.ids.numel())
         if self.choices:
             out["measured_ms"] = {f"rows<={b}": c.times_ms for b, c in self.choices.items()}
         return out
 
 
 def plan_candidate_pass(head: torch.Tensor, x_dtype: torch.dtype, kernel: str = "auto", *,
-                        redo: bool = False, timer=None, progress: bool = True) -> CandidatePass:
+                        redo: bool = False, timer=None, progress: bool = True,
+                        ids: torch.Tensor | None = None) -> CandidatePass:
     """The candidate pass for ``head`` [V, d] with inputs of ``x_dtype``.
 
     ``kernel``: ``auto`` (measure per row bucket, cached per machine and shapes) or one
-    of :data:`HEAD_KERNELS` (forced for every bucket). ``timer`` is injected by tests.
+    of :data:`HEAD_KERNELS` (forced for every bucket). ``ids``: a draft vocabulary [Vs]
+    int64 (sorted target ids, :mod:`dspine.draft_vocab`): the pass then scores only those
+    rows of ``head`` (a copy of Vs rows) and :attr:`CandidatePass.ids` maps its columns
+    back. ``timer`` is injected by tests.
     Raises:
         ValueError: unknown kernel name.
     """
+    if ids is not None:
+        head = head.detach()[ids.to(head.device)].contiguous()  # [Vs, d]
     if kernel != "auto":
         if kernel == "blockq":  # its blocks are the head's own (cached on it): build it once
-            return CandidatePass(head, {b: kernel for b in ROW_BUCKETS}, kernels={"blockq": BlockQHead(head)})
+            return CandidatePass(head, {b: kernel for b in ROW_BUCKETS}, kernels={"blockq": BlockQHead(head)}, ids=ids)
         make_kernel(kernel, head[:1])  # validates the name before building a full copy
-        return CandidatePass(head, {b: kernel for b in ROW_BUCKETS})
+        return CandidatePass(head, {b: kernel for b in ROW_BUCKETS}, ids=ids)
     V, d = head.shape
     names = [n for n in HEAD_KERNELS if n != "blockq" or blockq_head_unavailable(head) is None]
-    built = {n: make_kernel(n, head) for n in names}
+    built = {n: make_kernel(n, head, owned=ids is not None) for n in names}
     g = torch.Generator(device="cpu").manual_seed(0)
     choices: dict[int, Choice] = {}
     sync = torch.cuda.synchronize if head.is_cuda else (lambda: None)
@@ -196,4 +211,4 @@ def plan_candidate_pass(head: torch.Tensor, x_dtype: torch.dtype, kernel: str = 
         choices[b] = choose_fastest(key, alts, timer=timer, redo=redo, progress=progress,
                                     what=f"the drafter's candidate-pass kernels ({', '.join(names)}) at {b} rows",
                                     device=str(head.device))
-    return CandidatePass(head, {b: c.chosen for b, c in choices.items()}, choices, kernels=built)
+    return CandidatePass(head, {b: c.chosen for b, c in choices.items()}, choices, kernels=built, ids=ids)

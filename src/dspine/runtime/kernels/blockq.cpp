@@ -465,6 +465,185 @@ struct LeanLlama {
   }
 };
 
+// ---- the lean drafter forward: a DSpine drafter's block rows in one call (issue 22) -----------
+// For one block of R <= MAX_ROWS rows of a block-causal DSpine drafter (spec sections 3-4)
+// whose linears all hold Q8_0 blocks (dspine.tune.drafter.quantize_drafter): per layer the
+// pre-norm attention over [draft context ; block rows 0..i] (GQA, rotary embedding of the
+// drafter's half-split form), the SwiGLU MLP, then the bridge (r = rms(h), c = R_l(h / r),
+// c_0 = alpha E[x0], m_i = sigmoid(G_r c_i + G_p c_{i-1}) * V_p c_{i-1}, h_i += r_i W_l m_i).
+// The same arithmetic as dspine.model.DSpineDrafter.forward_blocks in float32, in another
+// order, without Python between the operations. The drafter only proposes: its numerics
+// never change the output.
+struct LeanDrafter {
+  std::vector<torch::Tensor> norms;  // per layer: attn_norm, mlp_norm weights [D] float32
+  std::vector<Lin> lins;             // per layer: q, k, v, o, gate, up, down, read, write
+  Lin g_r, g_p, v_p;
+  torch::Tensor mask_embed, row_embed, codebook;  // [D], [B, D] (or empty), [V, dc] float32
+  float alpha, eps, theta;
+  int64_t L, D, H, KV, hd, I, DC, DM, window;
+
+  LeanDrafter(std::vector<torch::Tensor> norms_, std::vector<torch::Tensor> blocks, torch::Tensor mask_embed_,
+              torch::Tensor row_embed_, torch::Tensor codebook_, double alpha_, int64_t heads, int64_t kv_heads,
+              int64_t head_dim, double eps_, double theta_, int64_t window_)
+      : norms(norms_), mask_embed(mask_embed_.contiguous()), row_embed(row_embed_.contiguous()),
+        codebook(codebook_.contiguous()), alpha(float(alpha_)), eps(float(eps_)), theta(float(theta_)), H(heads),
+        KV(kv_heads), hd(head_dim), window(window_) {
+    TORCH_CHECK(norms.size() % 2 == 0 && norms.size() >= 2 && blocks.size() == norms.size() / 2 * 18 + 6,
+                "blockq lean drafter: 2 norms and 9 x 2 block tensors per layer, then 3 x 2 for G_r, G_p, V_p");
+    L = int64_t(norms.size() / 2);
+    for (int64_t i = 0; i < L * 9; ++i) lins.push_back(make_lin(blocks[2 * i], blocks[2 * i + 1], torch::Tensor()));
+    g_r = make_lin(blocks[L * 18], blocks[L * 18 + 1], torch::Tensor());
+    g_p = make_lin(blocks[L * 18 + 2], blocks[L * 18 + 3], torch::Tensor());
+    v_p = make_lin(blocks[L * 18 + 4], blocks[L * 18 + 5], torch::Tensor());
+    for (const Lin& l : lins) TORCH_CHECK(!l.q4, "blockq lean drafter: Q8_0 blocks only");
+    D = mask_embed.numel();
+    I = lins[4].N;
+    DC = lins[7].N;
+    DM = g_r.N;
+    TORCH_CHECK(H % KV == 0 && hd % 2 == 0 && lins[0].N == H * hd && lins[1].N == KV * hd && lins[7].K == D &&
+                    lins[8].K == DM && lins[8].N == D && g_r.K == DC && g_p.K == DC && v_p.K == DC &&
+                    g_p.N == DM && v_p.N == DM && codebook.dim() == 2 && codebook.size(1) == DC,
+                "blockq lean drafter: shapes do not fit");
+  }
+
+  // e0 [D] the anchor's target embedding; anchor (its id), apos (its position), R rows;
+  // ctx_k / ctx_v per layer [KV, cap, hd] (rotary embedding applied); cpos [cap] int64; cvalid
+  // [cap] bool. Returns {h [R, D], h_pre [R, D], r [R, 1], c [R, DC]} of the last layer.
+  std::vector<torch::Tensor> forward(torch::Tensor e0, int64_t anchor, int64_t apos, int64_t R,
+                                     std::vector<torch::Tensor> ctx_k, std::vector<torch::Tensor> ctx_v,
+                                     torch::Tensor cpos, torch::Tensor cvalid) {
+    TORCH_CHECK(R >= 1 && R <= MAX_ROWS && (!row_embed.numel() || R <= row_embed.size(0)),
+                "blockq lean drafter: 1..", MAX_ROWS, " rows (at most the block size)");
+    TORCH_CHECK(e0.numel() == D && e0.scalar_type() == torch::kFloat32, "blockq lean drafter: e0 must be float32 [D]");
+    TORCH_CHECK(anchor >= 0 && anchor < codebook.size(0), "blockq lean drafter: anchor id out of range");
+    TORCH_CHECK(int64_t(ctx_k.size()) == L && int64_t(ctx_v.size()) == L, "blockq lean drafter: one context K/V per layer");
+    const int64_t cap = cpos.numel();
+    TORCH_CHECK(cvalid.numel() == cap && cpos.scalar_type() == torch::kInt64 && cvalid.scalar_type() == torch::kBool &&
+                    cpos.is_contiguous() && cvalid.is_contiguous(), "blockq lean drafter: cpos int64 [cap], cvalid bool [cap]");
+    for (int64_t l = 0; l < L; ++l)
+      TORCH_CHECK(ctx_k[l].is_contiguous() && ctx_v[l].is_contiguous() && ctx_k[l].scalar_type() == torch::kFloat32 &&
+                      ctx_v[l].scalar_type() == torch::kFloat32 && ctx_k[l].numel() == KV * cap * hd &&
+                      ctx_v[l].numel() == KV * cap * hd, "blockq lean drafter: context K/V must be float32 [KV, cap, hd]");
+    auto opt = e0.options();
+    auto h = torch::empty({R, D}, opt), hpre = torch::empty({R, D}, opt), rr = torch::empty({R, 1}, opt),
+         c = torch::empty({R, DC}, opt);
+    auto xn = torch::empty({R, D}, opt), q = torch::empty({R, H * hd}, opt), k = torch::empty({R, KV * hd}, opt),
+         v = torch::empty({R, KV * hd}, opt), att = torch::empty({R, H * hd}, opt), y = torch::empty({R, D}, opt),
+         g = torch::empty({R, I}, opt), u = torch::empty({R, I}, opt), gm = torch::empty({R, DM}, opt),
+         pm = torch::empty({R, DM}, opt), vm = torch::empty({R, DM}, opt), wm = torch::empty({R, D}, opt);
+    float *hp = h.data_ptr<float>(), *xp = xn.data_ptr<float>(), *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(),
+          *vp = v.data_ptr<float>(), *ap = att.data_ptr<float>(), *yp = y.data_ptr<float>(), *gp = g.data_ptr<float>(),
+          *up = u.data_ptr<float>(), *cp = c.data_ptr<float>(), *rp = rr.data_ptr<float>(), *gmp = gm.data_ptr<float>(),
+          *pmp = pm.data_ptr<float>(), *vmp = vm.data_ptr<float>(), *wp = wm.data_ptr<float>();
+    // block input: row 0 the anchor's embedding, rows 1.. the mask embedding; plus the row embedding
+    const float *e = e0.contiguous().data_ptr<float>(), *me = mask_embed.data_ptr<float>();
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < D; ++j) {
+        float x = i == 0 ? e[j] : me[j];
+        if (row_embed.numel()) x += row_embed.data_ptr<float>()[i * D + j];
+        hp[i * D + j] = x;
+      }
+    // rotary tables of the rows' positions apos .. apos + R - 1 (spec: half-split rotation)
+    const int64_t half = hd / 2;
+    std::vector<float> cs(R * half), sn(R * half);
+    for (int64_t j = 0; j < half; ++j) {
+      const float inv = 1.0f / std::pow(theta, float(2 * j) / float(hd));
+      for (int64_t i = 0; i < R; ++i) {
+        const float ang = float(apos + i) * inv;
+        cs[i * half + j] = std::cos(ang);
+        sn[i * half + j] = std::sin(ang);
+      }
+    }
+    auto rot = [&](float* x, int64_t heads) {
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          float* t = x + (i * heads + hh) * hd;
+          for (int64_t j = 0; j < half; ++j) {
+            const float a = t[j], b = t[j + half], co = cs[i * half + j], si = sn[i * half + j];
+            t[j] = a * co - b * si;
+            t[j + half] = a * si + b * co;
+          }
+        }
+    };
+    // context slots this block may read (valid, before the anchor, inside the window)
+    const int64_t* pp = cpos.data_ptr<int64_t>();
+    const bool* vv = cvalid.data_ptr<bool>();
+    std::vector<int64_t> slots;
+    for (int64_t j = 0; j < cap; ++j)
+      if (vv[j] && pp[j] < apos && pp[j] >= apos - window) slots.push_back(j);
+    const int64_t S = int64_t(slots.size()), group = H / KV;
+    const float scale = 1.0f / std::sqrt(float(hd));
+    const float* cb = codebook.data_ptr<float>() + anchor * DC;
+    for (int64_t l = 0; l < L; ++l) {
+      const Lin* w = &lins[l * 9];
+      rms_norm(hp, norms[2 * l].data_ptr<float>(), R, D, eps, xp);
+      lin_apply(w[0], xp, R, qp);
+      lin_apply(w[1], xp, R, kp);
+      lin_apply(w[2], xp, R, vp);
+      rot(qp, H);
+      rot(kp, KV);
+      const float *ck = ctx_k[l].data_ptr<float>(), *cv = ctx_v[l].data_ptr<float>();
+      at::parallel_for(0, R * H, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<float> p(S + R);
+        for (int64_t it = lo; it < hi; ++it) {
+          const int64_t i = it / H, hh = it % H, kvh = hh / group;
+          const float* qv = qp + (i * H + hh) * hd;
+          float mx = -INFINITY;
+          for (int64_t s = 0; s < S; ++s) {
+            p[s] = dot(qv, ck + (kvh * cap + slots[s]) * hd, hd) * scale;
+            mx = std::max(mx, p[s]);
+          }
+          for (int64_t j = 0; j <= i; ++j) {  // block-causal: rows 0..i
+            p[S + j] = dot(qv, kp + (j * KV + kvh) * hd, hd) * scale;
+            mx = std::max(mx, p[S + j]);
+          }
+          const int64_t n = S + i + 1;
+          float sum = 0.0f;
+          for (int64_t j = 0; j < n; ++j) {
+            p[j] = std::exp(p[j] - mx);
+            sum += p[j];
+          }
+          float* o = ap + (i * H + hh) * hd;
+          for (int64_t e2 = 0; e2 < hd; ++e2) o[e2] = 0.0f;
+          for (int64_t j = 0; j < n; ++j) {
+            const float pj = p[j] / sum;
+            const float* vj = j < S ? cv + (kvh * cap + slots[j]) * hd : vp + ((j - S) * KV + kvh) * hd;
+            for (int64_t e2 = 0; e2 < hd; ++e2) o[e2] += pj * vj[e2];
+          }
+        }
+      });
+      lin_apply(w[3], ap, R, yp);
+      for (int64_t j = 0; j < R * D; ++j) hp[j] += yp[j];
+      rms_norm(hp, norms[2 * l + 1].data_ptr<float>(), R, D, eps, xp);
+      lin_apply(w[4], xp, R, gp);
+      lin_apply(w[5], xp, R, up);
+      for (int64_t j = 0; j < R * I; ++j) gp[j] = gp[j] / (1.0f + std::exp(-gp[j])) * up[j];
+      lin_apply(w[6], gp, R, yp);
+      for (int64_t j = 0; j < R * D; ++j) hp[j] += yp[j];
+      // the bridge: codes of h / rms(h), messages from row i - 1 to row i
+      for (int64_t i = 0; i < R; ++i) {
+        float ss = 0.0f;
+        for (int64_t j = 0; j < D; ++j) ss += hp[i * D + j] * hp[i * D + j];
+        rp[i] = std::sqrt(ss / float(D) + eps);
+        for (int64_t j = 0; j < D; ++j) xp[i * D + j] = hp[i * D + j] / rp[i];
+      }
+      lin_apply(w[7], xp, R, cp);
+      for (int64_t j = 0; j < DC; ++j) cp[j] = alpha * cb[j];
+      if (l == L - 1) std::copy(hp, hp + R * D, hpre.data_ptr<float>());
+      if (R > 1) {
+        lin_apply(g_r, cp + DC, R - 1, gmp);
+        lin_apply(g_p, cp, R - 1, pmp);
+        lin_apply(v_p, cp, R - 1, vmp);
+        for (int64_t j = 0; j < (R - 1) * DM; ++j) gmp[j] = vmp[j] / (1.0f + std::exp(-(gmp[j] + pmp[j])));
+        lin_apply(w[8], gmp, R - 1, wp);
+        for (int64_t i = 1; i < R; ++i)
+          for (int64_t j = 0; j < D; ++j) hp[i * D + j] += rp[i] * wp[(i - 1) * D + j];
+      }
+    }
+    return {h, hpre, rr, c};
+  }
+};
+
 std::string isa() {
 #if defined(DSPINE_AVX512)
   return "avx512";
@@ -492,4 +671,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                           double>())
       .def("forward", &LeanLlama::forward);
+  pybind11::class_<LeanDrafter>(mod, "LeanDrafter")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor,
+                          torch::Tensor, double, int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("forward", &LeanDrafter::forward);
 }

@@ -1,0 +1,104 @@
+"""The lean drafter forward: a DSpine drafter's block rows in one C++ call (issue 22).
+
+With the drafter's linears on Q8_0 blocks (``--drafter-linears q8``,
+:mod:`dspine.tune.drafter`) those products took ~0.75 ms of a 2-row block forward on a
+2-core EPYC, yet the forward took ~3-7 ms: the rest was Python and per-operation dispatch
+around ~150 small operations (norms, rotary embedding, attention over the draft context,
+the MLP, the bridge's codes and messages). :class:`LeanDrafter` runs the whole block forward
+of one request (``LeanDrafter`` in ``kernels/blockq.cpp``): the same weights, the same
+float32 arithmetic in another order. The drafter only proposes, so this never changes the
+output (greedy equality with ``ar`` and the exact sampled distribution are tested on it,
+``tests/test_lean_drafter.py``).
+
+Applies to a block-causal DSpine drafter (bridge on, no q/k norms) on the CPU in float32
+whose linears all hold Q8_0 blocks (:func:`lean_drafter_support` says why not otherwise;
+``DSPINE_LEAN=0`` turns it off with the target's lean path). Batched proposals (the
+server's ``propose_batch``) keep the PyTorch forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model import BlockOutput
+from .blockq import BlockQLinear, kernels
+from .lean import lean_enabled
+
+LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")
+
+
+def lean_drafter_support(drafter) -> str | None:
+    """None when :class:`LeanDrafter` can run ``drafter`` (a :class:`~dspine.model.DSpineDrafter`), else why not."""
+    if not lean_enabled():
+        return "DSPINE_LEAN is off"
+    cfg = drafter.cfg
+    if not (cfg.bridge and cfg.block_causal):
+        return "DSpine drafters (bridge, block-causal rows) only"
+    if cfg.qk_norm:
+        return "q/k norms"
+    if drafter.fc.weight.dtype != torch.float32 or drafter.fc.weight.device.type != "cpu":
+        return "float32 CPU drafters only"
+    lins = [getattr(layer, n) for layer in drafter.layers for n in LAYER_LINEARS]
+    lins += list(drafter.read) + list(drafter.write) + [drafter.g_r, drafter.g_p, drafter.v_p]
+    if not all(isinstance(m, BlockQLinear) and m.kind == "q8" and m.bias is None for m in lins):
+        return "linears on Q8_0 blocks only (--drafter-linears q8)"
+    if kernels(progress=False) is None:
+        return "the blockq kernels are not built here"
+    return None
+
+
+class LeanDrafter:
+    """:meth:`DSpineDrafter.forward_blocks` of one block (b = nb = 1) in one C++ call.
+
+    Raises:
+        ValueError: :func:`lean_drafter_support` found a reason it cannot run.
+    """
+
+    def __init__(self, drafter):
+        why = lean_drafter_support(drafter)
+        if why is not None:
+            raise ValueError(f"the lean drafter forward cannot run this drafter: {why}")
+        cfg = drafter.cfg
+        self.drafter, self.block_size = drafter, cfg.block_size
+        norms, blocks = [], []
+        for i, layer in enumerate(drafter.layers):
+            norms += [layer.attn_norm.weight.detach().float().contiguous(),
+                      layer.mlp_norm.weight.detach().float().contiguous()]
+            for m in [getattr(layer, n) for n in LAYER_LINEARS] + [drafter.read[i], drafter.write[i]]:
+                blocks += [m.b0, m.b1]
+        for m in (drafter.g_r, drafter.g_p, drafter.v_p):
+            blocks += [m.b0, m.b1]
+        row = drafter.row_embed.detach().float().contiguous() if drafter.row_embed is not None else torch.empty(0)
+        self.impl = kernels(progress=False).LeanDrafter(
+            norms, blocks, drafter.mask_embed.detach().float().contiguous(), row,
+            drafter.codebook.weight.detach().float().contiguous(), float(drafter.alpha.detach()), cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cfg.rope_theta, cfg.window)
+
+    def forward_blocks(self, anchors: torch.Tensor, anchor_pos: torch.Tensor,
+                       ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_pos: torch.Tensor,
+                       ctx_valid: torch.Tensor, rows: int | None = None) -> BlockOutput:
+        """As :meth:`DSpineDrafter.forward_blocks` for anchors [1, 1]: ctx_kv per layer
+        (k, v) [1, kv, cap, hd], ctx_pos [1, cap] int64, ctx_valid [1, cap] bool. Returns
+        h, h_pre [1, 1, R, d], r [1, 1, R, 1], c [1, 1, R, d_c] (float32).
+
+        Raises:
+            ValueError: more than one block, or ``rows`` outside 1..block size.
+        """
+        if anchors.shape != (1, 1):
+            raise ValueError(f"the lean drafter forward runs one block, got anchors {tuple(anchors.shape)}")
+        R = self.block_size if rows is None else int(rows)
+        if not 1 <= R <= self.block_size:
+            raise ValueError(f"rows must be in 1..{self.block_size}, got {rows}")
+        a = int(anchors[0, 0])
+        e0 = self.drafter.embed(anchors[0, 0]).float().contiguous()
+        h, h_pre, r, c = self.impl.forward(e0, a, int(anchor_pos[0, 0]), R,
+                                           [k[0].contiguous() for k, _ in ctx_kv], [v[0].contiguous() for _, v in ctx_kv],
+                                           ctx_pos[0].contiguous(), ctx_valid[0].contiguous())
+        return BlockOutput(h=h[None, None], h_pre=h_pre[None, None], r=r[None, None], c=c[None, None])
+
+
+def block_forward(drafter):
+    """The fastest block forward for one request: the drafter's :class:`LeanDrafter`
+    (attached by :func:`dspine.tune.drafter.quantize_drafter` where it runs), else
+    :meth:`DSpineDrafter.forward_blocks`."""
+    lean = getattr(drafter, "_lean", None)
+    return lean.forward_blocks if lean is not None else drafter.forward_blocks

@@ -1,0 +1,111 @@
+"""The drafter's draft vocabulary (dspine.draft_vocab, ``--draft-vocab``; issue 23 item 4).
+
+The candidate pass then scores only the subset's rows of the head and maps its columns back
+to target ids. The drafter only proposes, so the output must stay the target's: greedy
+equality with ``ar`` on the real target with the shipped checkpoint's subset, and the exact
+sampled distribution on a tiny target (chi-square) with a broken verifier as the negative
+control that must fail. Proposals must be subset ids (a pass that forgot to map its columns
+back would propose ids below the subset's size, which this test's subset excludes).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dspine.engine
+from dspine.config import SamplingConfig
+from dspine.draft import DrafterProposer, random_drafter
+from dspine.draft_vocab import (FILE, DraftVocabError, coverage, frequent_tokens, load_draft_vocab, resolve,
+                                save_draft_vocab)
+from dspine.engine import Engine
+from dspine.final_stage import candidates
+from test_distribution import (ALPHA, BRIDGE_GAIN, BLOCK, N, N_NEG, SETTINGS, _verify_residual_is_p, chi2_pvalue,
+                               exact, sample_counts)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_frequent_tokens_and_coverage():
+    seqs = [([5, 5, 1, 2, 2, 2], 2), ([9, 1, 2, 7], 1)]  # responses: 1 2 2 2 | 1 2 7
+    ids = frequent_tokens(seqs, 2, 10)
+    assert ids.tolist() == [1, 2]
+    assert coverage(ids, seqs) == pytest.approx(6 / 7)
+    assert coverage(torch.tensor([7]), seqs) == pytest.approx(1 / 7)
+
+
+def test_files_round_trip_and_bad_ones_are_refused(tmp_path):
+    save_draft_vocab(tmp_path, torch.tensor([9, 3, 4, 1]), {"source": "test"})
+    assert load_draft_vocab(tmp_path, 10, 2).tolist() == [1, 3, 4, 9]
+    assert json.loads((tmp_path / FILE).read_text())["size"] == 4
+    assert load_draft_vocab(tmp_path / "nothing", 10, 2) is None and load_draft_vocab(None, 10, 2) is None
+    assert resolve("full", tmp_path, 10, 2) is None
+    assert resolve("auto", tmp_path, 10, 2).tolist() == [1, 3, 4, 9]
+    with pytest.raises(DraftVocabError, match="fewer than the final stage's 5"):
+        load_draft_vocab(tmp_path, 10, 5)
+    with pytest.raises(DraftVocabError, match="outside the drafter's vocabulary"):
+        load_draft_vocab(tmp_path, 9, 2)
+    with pytest.raises(DraftVocabError, match="--draft-vocab 'half' is unknown"):
+        resolve("half", tmp_path, 10, 2)
+    with pytest.raises(DraftVocabError, match="--draft-vocab subset: .* has no draft_vocab.json"):
+        resolve("subset", tmp_path / "nothing", 10, 2)
+    assert resolve("auto", tmp_path / "nothing", 10, 2) is None
+    for body, why in (("{", "damaged"), ('{"ids": [1, 1, 2]}', "repeated ids"), ('{"ids": "12"}', "damaged"),
+                      ('{"size": 3}', "damaged")):
+        (tmp_path / FILE).write_text(body)
+        with pytest.raises(DraftVocabError, match=why):
+            load_draft_vocab(tmp_path, 10, 2)
+
+
+def test_candidates_come_from_the_subset_and_map_back_to_target_ids(tiny256):
+    d = random_drafter(tiny256, mode="dspine", block_size=8, seed=1)
+    x = d.norm_f(torch.randn(5, tiny256.hidden_size))
+    full = DrafterProposer(d, head_kernel="exact")
+    everything = DrafterProposer(d, head_kernel="exact", vocab=torch.arange(256))
+    assert torch.equal(candidates(d, x, 16, 128, full.qhead), candidates(d, x, 16, 128, everything.qhead))
+    upper = torch.arange(128, 256)  # a pass that forgot to map back would return ids < 128
+    sub = DrafterProposer(d, head_kernel="exact", vocab=upper)
+    got = candidates(d, x, 16, 128, sub.qhead)
+    assert bool((got >= 128).all()) and sub.kernel_info()["draft_vocab"] == 128
+    # the subset's top candidates are the full pass's top candidates restricted to the subset
+    exact_scores = x @ d.head.T
+    masked = exact_scores.clone()
+    masked[:, :128] = -float("inf")
+    assert torch.equal(got.sort(dim=1).values, torch.topk(masked, 16, dim=1).indices.sort(dim=1).values)
+    with pytest.raises(ValueError, match="--draft-vocab"):
+        DrafterProposer(d, use_quantized_head=False, vocab=upper)
+
+
+def _subset_proposer(tiny):
+    """The distribution tests' strong-bridge DSpine drafter (seed 3) over 5 of the 8 ids."""
+    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=3, head_topk=4, coarse_k=6)
+    with torch.no_grad():
+        for w in d.write:
+            w.weight.mul_(BRIDGE_GAIN)
+        d.v_p.weight.mul_(BRIDGE_GAIN)
+    return DrafterProposer(d, vocab=torch.tensor([1, 3, 4, 6, 7]))
+
+
+def test_subset_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkeypatch):
+    eng = Engine(tiny, _subset_proposer(tiny), "dspine")
+    counts = sample_counts(eng, SETTINGS["t1.0"], N, tiny.vocab_size)
+    assert chi2_pvalue(counts, exact(tiny, "t1.0")) > ALPHA
+    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
+    counts = sample_counts(Engine(tiny, _subset_proposer(tiny), "dspine"), SETTINGS["t1.0"], N_NEG, tiny.vocab_size)
+    assert chi2_pvalue(counts, exact(tiny, "t1.0")) < ALPHA
+
+
+def test_shipped_subset_greedy_equals_ar_on_the_real_target():
+    from dspine.cli import build_engine
+
+    target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
+                               draft_vocab="subset")
+    sub = eng.proposer.qhead.ids
+    assert eng.proposer.kernel_info()["draft_vocab"] == sub.numel() < target.vocab_size
+    ar = Engine(target, None, "ar")
+    for prompt, chat in (("def fibonacci(n):", False), ("Name three prime numbers.", True)):
+        ids = target.encode_prompt(prompt, chat=chat)
+        want = ar.generate(ids, SamplingConfig(), 40).token_ids
+        got = eng.generate(ids, SamplingConfig(), 40)
+        assert got.token_ids == want and got.stats.accepted_length_mean > 1.0

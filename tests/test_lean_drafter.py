@@ -1,0 +1,122 @@
+"""The lean drafter forward (dspine.runtime.lean_drafter): one C++ call per block forward.
+
+It must compute what :meth:`DSpineDrafter.forward_blocks` computes (float32, another order of
+the sums): compared here on a drafter with a ring-buffer context holding invalid slots,
+positions after the anchor and positions outside the window, for every row count. The
+drafter only proposes, so the output must stay the target's: greedy equality with ``ar`` on
+the real target and the exact sampled distribution (chi-square, with a broken verifier as the
+negative control) run through it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspine.engine
+from dspine.config import SamplingConfig
+from dspine.draft import DrafterProposer, random_drafter
+from dspine.engine import Engine
+from dspine.runtime import blockq as B
+from dspine.runtime.lean_drafter import LeanDrafter, block_forward, lean_drafter_support
+from dspine.tune.drafter import quantize_drafter
+from test_distribution import (ALPHA, BRIDGE_GAIN, BLOCK, N, N_NEG, SETTINGS, _verify_residual_is_p, chi2_pvalue,
+                               exact, sample_counts)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _kernels_or_skip():
+    if B.kernels(progress=False) is None:
+        pytest.skip(f"the blockq kernels cannot be built here: {B.unavailable_reason()}")
+
+
+def _context(d, cap: int, anchor_pos: int, seed: int = 0):
+    """Per-layer context K/V [1, kv, cap, hd] of random features, positions shuffled over the
+    ring buffer, some slots invalid, some at or after the anchor."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = d.cfg
+    feats = torch.randn(1, cap, len(cfg.feature_layers) * cfg.target_hidden, generator=g)
+    pos = torch.randperm(anchor_pos + 4, generator=g)[:cap][None]  # some >= anchor_pos: never read
+    with torch.no_grad():
+        kv = d.context_kv(feats, pos)
+    valid = torch.rand(1, cap, generator=g) > 0.2
+    return kv, pos, valid
+
+
+@pytest.mark.parametrize("window", [2048, 9])
+def test_lean_block_forward_equals_the_pytorch_forward(tiny256, window):
+    _kernels_or_skip()
+    d = random_drafter(tiny256, mode="dspine", block_size=8, seed=1, window=window, msg_dim=32)
+    with torch.no_grad():  # a strong bridge, so the messages matter
+        for w in d.write:
+            w.weight.mul_(30)
+    q = quantize_drafter(d)
+    assert isinstance(q._lean, LeanDrafter) and block_forward(q) == q._lean.forward_blocks
+    kv, pos, valid = _context(q, cap=24, anchor_pos=30)
+    a, ap = torch.tensor([[7]]), torch.tensor([[30]])
+    for rows in (1, 2, 5, 8):
+        with torch.no_grad():
+            want = q.forward_blocks(a, ap, kv, pos, valid, rows=rows)
+            got = q._lean.forward_blocks(a, ap, kv, pos, valid, rows=rows)
+        for f in ("h", "h_pre", "r", "c"):
+            x, y = getattr(want, f), getattr(got, f)
+            assert x.shape == y.shape, f
+            torch.testing.assert_close(y, x, rtol=2e-4, atol=2e-4 * float(x.abs().max()))
+    # negative control: another anchor position reads other context and positions
+    with torch.no_grad():
+        other = q._lean.forward_blocks(a, torch.tensor([[26]]), kv, pos, valid, rows=8)
+    assert not torch.allclose(other.h, want.h, rtol=1e-3, atol=1e-3)
+
+
+def test_where_the_lean_forward_does_not_run(tiny256, monkeypatch):
+    _kernels_or_skip()
+    d = random_drafter(tiny256, mode="dspine", block_size=8, seed=1, msg_dim=32)
+    assert "Q8_0" in lean_drafter_support(d)  # float32 linears: the PyTorch forward
+    assert block_forward(d) == d.forward_blocks
+    assert "DSpine drafters" in lean_drafter_support(quantize_drafter(random_drafter(tiny256, mode="dflash",
+                                                                                      block_size=8, seed=1)))
+    monkeypatch.setenv("DSPINE_LEAN", "0")
+    assert quantize_drafter(d)._lean is None
+    monkeypatch.delenv("DSPINE_LEAN")
+    q = quantize_drafter(d)
+    with pytest.raises(ValueError, match="rows must be in 1..8"):
+        q._lean.forward_blocks(torch.tensor([[1]]), torch.tensor([[3]]), *(_context(q, 4, 3)), rows=9)
+    with pytest.raises(ValueError, match="one block"):
+        q._lean.forward_blocks(torch.tensor([[1, 2]]), torch.tensor([[3, 4]]), *(_context(q, 4, 3)), rows=2)
+
+
+def _lean_proposer(tiny):
+    """The distribution tests' strong-bridge DSpine drafter (seed 3; messages of 32, so every
+    linear packs into Q8_0 blocks) on the lean forward."""
+    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=3, head_topk=4, coarse_k=6, msg_dim=32)
+    with torch.no_grad():
+        for w in d.write:
+            w.weight.mul_(BRIDGE_GAIN)
+        d.v_p.weight.mul_(BRIDGE_GAIN)
+    p = DrafterProposer(d, linears="q8")
+    assert p.drafter._lean is not None  # every linear's input size is a multiple of 32 here
+    return p
+
+
+def test_lean_drafter_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkeypatch):
+    _kernels_or_skip()
+    counts = sample_counts(Engine(tiny, _lean_proposer(tiny), "dspine"), SETTINGS["t1.0"], N, tiny.vocab_size)
+    assert chi2_pvalue(counts, exact(tiny, "t1.0")) > ALPHA
+    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
+    counts = sample_counts(Engine(tiny, _lean_proposer(tiny), "dspine"), SETTINGS["t1.0"], N_NEG, tiny.vocab_size)
+    assert chi2_pvalue(counts, exact(tiny, "t1.0")) < ALPHA
+
+
+def test_lean_drafter_greedy_equals_ar_on_the_real_target():
+    _kernels_or_skip()
+    from dspine.cli import build_engine
+
+    target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
+                               drafter_linears="q8")
+    assert eng.proposer.drafter._lean is not None
+    ar = Engine(target, None, "ar")
+    for prompt, chat in (("def fibonacci(n):", False), ("Name three prime numbers.", True)):
+        ids = target.encode_prompt(prompt, chat=chat)
+        want = ar.generate(ids, SamplingConfig(), 40).token_ids
+        got = eng.generate(ids, SamplingConfig(), 40)
+        assert got.token_ids == want and got.stats.accepted_length_mean > 1.0
