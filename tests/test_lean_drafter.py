@@ -120,3 +120,23 @@ def test_lean_drafter_greedy_equals_ar_on_the_real_target():
         want = ar.generate(ids, SamplingConfig(), 40).token_ids
         got = eng.generate(ids, SamplingConfig(), 40)
         assert got.token_ids == want and got.stats.accepted_length_mean > 1.0
+
+
+def test_batched_proposals_on_the_lean_forward_keep_greedy_equal_to_ar(tiny256, monkeypatch):
+    _kernels_or_skip()
+    from dspine.batch import BatchEngine
+    from dspine.runtime import lean_drafter
+
+    calls = []
+    real = lean_drafter.LeanDrafter.forward_blocks
+    monkeypatch.setattr(lean_drafter.LeanDrafter, "forward_blocks",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    prop = DrafterProposer(random_drafter(tiny256, "dspine", seed=2, msg_dim=32), linears="q8")
+    assert prop.drafter._lean is not None
+    prompts = [tiny256.encode_prompt(p) for p in ("hello world", "a", "The quick brown fox", "xyz" * 9)]
+    lens = [20, 9, 30, 14]
+    ar = Engine(tiny256, None, "ar")
+    want = [ar.generate(p, max_new_tokens=m).token_ids for p, m in zip(prompts, lens)]
+    got = BatchEngine(Engine(tiny256, prop, "dspine"), 4).generate_many(prompts, max_new_tokens=lens)
+    assert [g.token_ids for g in got] == want
+    assert len(calls) > len(lens)  # the batched cycles ran the lean forward

@@ -228,9 +228,10 @@ def test_forced_kernel_and_bad_name(tiny256):
     p = DrafterProposer(d, head_kernel="int8")
     assert set(p.qhead.plan.values()) == {"int8"} and isinstance(p.qhead.kernels["int8"], QuantizedHead)
     assert p.kernel_info() == {"candidate_pass": {f"rows<={b}": "int8" for b in ROW_BUCKETS},
-                               "drafter_linears": "float32"}
-    assert DrafterProposer(d, use_quantized_head=False).kernel_info() == {"candidate_pass": "exact-reference",
-                                                                         "drafter_linears": "float32"}
+                               "drafter_linears": "float32", "drafter_forward": "pytorch", "draft_vocab": 256}
+    assert DrafterProposer(d, use_quantized_head=False).kernel_info() == {
+        "candidate_pass": "exact-reference", "drafter_linears": "float32", "drafter_forward": "pytorch",
+        "draft_vocab": 256}
     with pytest.raises(ValueError, match="--head-kernel 'fp4'"):
         DrafterProposer(d, head_kernel="fp4")
     # a kernel never chosen costs no memory: only the plan's kernels are kept

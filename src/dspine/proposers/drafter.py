@@ -13,7 +13,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..final_stage import candidates, chain, conditional_tables, fused_tables, parallel_argmax
-from ..model import DSpineDrafter
+from ..model import BlockOutput, DSpineDrafter
 from ..runtime.lean_drafter import block_forward
 from ..sampling import filter_probs, sample_index, uniform
 from .base import Proposal, Proposer
@@ -169,11 +169,12 @@ class DrafterProposer(Proposer):
     def kernel_info(self) -> dict:
         """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
         kernel per row bucket, or ``exact-reference`` without a coarse pass."""
+        fwd = "lean" if getattr(self.drafter, "_lean", None) is not None else "pytorch"
         if self.qhead is None:
             return {"candidate_pass": "exact-reference", "drafter_linears": self.linears,
-                    "draft_vocab": self.cfg.vocab_size}
+                    "drafter_forward": fwd, "draft_vocab": self.cfg.vocab_size}
         return {"candidate_pass": self.qhead.describe()["kernels"], "drafter_linears": self.linears,
-                "draft_vocab": self.draft_vocab or self.cfg.vocab_size}
+                "drafter_forward": fwd, "draft_vocab": self.draft_vocab or self.cfg.vocab_size}
 
     def new_state(self, prompt_ids):
         return DraftContextCache(self.cfg.num_layers, self.cfg.window, project=self._project)
@@ -316,6 +317,28 @@ def _is_q8(drafter) -> bool:
     return isinstance(drafter.fc, BlockQLinear)
 
 
+def _padded_context(states: list[DraftContextCache], num_layers: int, b: int, dev):
+    """The draft contexts of ``b`` requests padded to the largest capacity with invalid slots:
+    (per layer (k, v) [b, kv, cap, hd], pos [b, cap] int64, valid [b, cap] bool)."""
+    cap = max(s.pos.shape[0] for s in states)
+    kv = []
+    for l in range(num_layers):
+        k0 = states[0].k[l]
+        K = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        V = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
+        for j, s in enumerate(states):
+            c = s.pos.shape[0]
+            K[j, :, :c] = s.k[l]
+            V[j, :, :c] = s.v[l]
+        kv.append((K, V))
+    cpos = torch.full((b, cap), -1, dtype=torch.long, device=dev)
+    cvalid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+    for j, s in enumerate(states):
+        c = s.pos.shape[0]
+        cpos[j, :c], cvalid[j, :c] = s.pos, s.valid
+    return kv, cpos, cvalid
+
+
 def dense_proposal(z: torch.Tensor, sampling: SamplingConfig, gen, t0: float) -> Proposal:
     """Reference DFlash-style proposals from full-vocabulary logits z [n, V] float32:
     argmax (greedy) or ``y_i ~ q_i = filter_probs(z_i)`` with the dense q [n, V] float64."""
@@ -336,7 +359,8 @@ def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: l
     ``ns[j] >= 1`` its verification length. Returns one :class:`Proposal` per request.
 
     Context K/V of the requests (ring buffers of different capacity) are padded to the
-    largest capacity with invalid slots; candidates and conditional tables are batched;
+    largest capacity with invalid slots (or, on the lean drafter forward, each request's block
+    runs in its own C++ call over its own context); candidates and conditional tables are batched;
     the serial chain runs per request with its own sampling settings and generator.
     Shared times are split evenly over the requests.
     """
@@ -345,26 +369,19 @@ def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: l
     dev = d.fc.weight.device
     b, nmax = len(reqs), max(ns)
     states = [r.draft_state for r in reqs]
-    cap = max(s.pos.shape[0] for s in states)
-    kv = []
-    for l in range(cfg.num_layers):
-        k0 = states[0].k[l]
-        K = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
-        V = k0.new_zeros(b, k0.shape[0], cap, k0.shape[-1])
-        for j, s in enumerate(states):
-            c = s.pos.shape[0]
-            K[j, :, :c] = s.k[l]
-            V[j, :, :c] = s.v[l]
-        kv.append((K, V))
-    cpos = torch.full((b, cap), -1, dtype=torch.long, device=dev)
-    cvalid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
-    for j, s in enumerate(states):
-        c = s.pos.shape[0]
-        cpos[j, :c], cvalid[j, :c] = s.pos, s.valid
     a = torch.tensor([[r.anchor] for r in reqs], device=dev)
     apos = torch.tensor([[p] for p in positions], device=dev)
     rows = nmax + 1 if cfg.block_causal else None  # causal block: only the rows proposed from
-    out = d.forward_blocks(a, apos, kv, cpos, cvalid, rows=rows)
+    lean = getattr(d, "_lean", None)
+    if lean is not None:  # one C++ call per request (its own context, no padding) beats one batched
+        # PyTorch forward (dspine.runtime.lean_drafter)
+        outs = []
+        for j, s in enumerate(states):
+            kv, cpos, cvalid = s.as_batch()
+            outs.append(lean.forward_blocks(a[j:j + 1], apos[j:j + 1], kv, cpos, cvalid, rows=rows))
+        out = BlockOutput(*(torch.cat([getattr(o, f) for o in outs]) for f in ("h", "h_pre", "r", "c")))
+    else:
+        out = d.forward_blocks(a, apos, *_padded_context(states, cfg.num_layers, b, dev), rows=rows)
     t1 = time.perf_counter()
     res: list[Proposal] = []
     if cfg.final_stage:

@@ -68,10 +68,13 @@ def cmd_tune(args) -> int:
                                                   f"rows, measured)" if plan is not None
                                                   else f" (lean path not used: {lean_support(rt)})"))
     if prop is not None:
-        cp = plan_candidate_pass(prop.drafter.head, prop.drafter.fc.weight.dtype, "auto", progress=not args.json)
+        ids = getattr(prop.qhead, "ids", None)  # the checkpoint's draft vocabulary (--draft-vocab auto)
+        cp = plan_candidate_pass(prop.drafter.head, prop.drafter.fc.weight.dtype, "auto", progress=not args.json,
+                                 redo=args.redo, ids=ids)
         prop.qhead = cp
         report["candidate_pass"] = {f"rows<={b}": c.to_dict() for b, c in cp.choices.items()}
-        say("\ncandidate pass (the drafter scores all vocabulary tokens to pick its candidates; "
+        scored = "all vocabulary tokens" if ids is None else f"the {ids.numel()} ids of its draft vocabulary"
+        say(f"\ncandidate pass (the drafter scores {scored} to pick its candidates; "
             "kernel per number of rows scored at once; --head-kernel auto):")
         for b, c in cp.choices.items():
             say(f"  rows<={b:<3} -> {c.chosen:<9} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
@@ -86,6 +89,9 @@ def cmd_tune(args) -> int:
 
             report["drafter_linears"] = {"chosen": prop.linears}
             say(f"  -> {prop.linears:<9} (q8 not offered: {q8_unavailable(prop.drafter) or 'forced'})")
+        fwd = prop.kernel_info()["drafter_forward"]
+        report["drafter_forward"] = fwd
+        say(f"  block forward: {fwd} ({'one C++ call per block' if fwd == 'lean' else 'PyTorch operations'})")
     say("\ntarget dtype for batched work (`dspine data build --dtype auto`, `dspine train features "
         "--compute-dtype auto`; decoding itself stays float32 unless --dtype says otherwise):")
     report["batched_dtype"] = {}
