@@ -394,18 +394,22 @@ class BatchEngine:
             ids[i, 0] = req.anchor
             ids[i, 1:ns[i] + 1] = p.tokens.cpu()
         starts = list(self.kv.lengths)
-        pos, allowed = self.kv.prepare(width, eng.max_positions - 1)
-        if self._attn == "sdpa":
-            mask = allowed
-        else:  # eager & co. add the mask to the scores
-            mask = torch.zeros(allowed.shape, dtype=self.target.dtype, device=allowed.device)
-            mask.masked_fill_(~allowed, torch.finfo(self.target.dtype).min)
         fl = eng.feature_layers
-        res = self.target.model(input_ids=ids.to(self.target.device), attention_mask=mask, position_ids=pos,
-                                past_key_values=self.kv._cache, use_cache=True,
-                                output_hidden_states=fl is not None)
-        logits = res.logits.float()  # [b, width, V]
-        feats = torch.cat([res.hidden_states[l + 1] for l in fl], dim=-1) if fl is not None else None
+        lean = self._lean_plan(width)
+        if lean is not None:  # every request's own tokens in one C++ call per chunk (no padding)
+            logits, feats = self._lean_forward(lean, ids, ns, starts, fl)
+        else:
+            pos, allowed = self.kv.prepare(width, eng.max_positions - 1)
+            if self._attn == "sdpa":
+                mask = allowed
+            else:  # eager & co. add the mask to the scores
+                mask = torch.zeros(allowed.shape, dtype=self.target.dtype, device=allowed.device)
+                mask.masked_fill_(~allowed, torch.finfo(self.target.dtype).min)
+            res = self.target.model(input_ids=ids.to(self.target.device), attention_mask=mask, position_ids=pos,
+                                    past_key_values=self.kv._cache, use_cache=True,
+                                    output_hidden_states=fl is not None)
+            logits = res.logits.float()  # [b, width, V]
+            feats = torch.cat([res.hidden_states[l + 1] for l in fl], dim=-1) if fl is not None else None
         t2 = time.perf_counter()
         verify_s = t2 - t1
         out: dict[int, list[int]] = {}
@@ -452,6 +456,58 @@ class BatchEngine:
         if bpol is not None:
             bpol.observe(len(reqs), width - 1, self.last_cycle.total_s)
         return out
+
+    def _lean_plan(self, width: int):
+        """The target's lean decode path (:mod:`dspine.runtime.lean`) when this cycle's forward
+        can take it: a dense-runtime target whose one-request forwards of ``width`` tokens run
+        lean, K/V in float32 on the CPU; else None (transformers' batched forward)."""
+        rt = getattr(self.target, "runtime", None)
+        plan = rt.lean_plan() if rt is not None and hasattr(rt, "lean_plan") else None
+        if plan is None or width > self._lean_chunk(plan) or not self.kv.k or self.kv.k[0].dtype != torch.float32:
+            return None
+        return plan
+
+    def _lean_chunk(self, plan) -> int:
+        """Most tokens per lean call: the lean path's rows, and no more than the output head's
+        kernels take (so a request's logits are those of its one-request forward)."""
+        return min(plan.rows, getattr(self.target.model.lm_head, "rows", plan.rows))
+
+    def _lean_forward(self, plan, ids: torch.Tensor, ns: list[int], starts: list[int], fl):
+        """The batched verification forward on the lean path: request i's ``ns[i] + 1`` tokens
+        (``ids[i]``, the rest of the row is padding) at positions ``starts[i]..``, packed without
+        padding into calls of at most :meth:`_lean_chunk` tokens over the slot cache's rows.
+        The kernels are batch-invariant, so every request's logits and features are bitwise
+        those of its own one-request forward (``tests/test_batch_lean.py``). Returns logits
+        [b, width, V] float32 and features [b, width, F*d] (None without feature layers),
+        zeros past each request's tokens."""
+        rt, (b, width) = self.target.runtime, ids.shape
+        self.kv._ensure(max(s + n + 1 for s, n in zip(starts, ns)))
+        chunks, cur, m, cap = [], [], 0, self._lean_chunk(plan)
+        for i, n in enumerate(ns):
+            if cur and m + n + 1 > cap:
+                chunks.append(cur)
+                cur, m = [], 0
+            cur.append(i)
+            m += n + 1
+        chunks.append(cur)
+        logits = feats = None
+        for ch in chunks:
+            tok = torch.cat([ids[i, : ns[i] + 1] for i in ch])
+            rows = torch.cat([torch.full((ns[i] + 1,), i, dtype=torch.long) for i in ch])
+            pos = torch.cat([torch.arange(starts[i], starts[i] + ns[i] + 1) for i in ch])
+            x, by = plan.forward_ragged(rt, tok, rows, pos, self.kv.k, self.kv.v, list(fl or ()))
+            lg, ft = rt._finish(x, by, fl, 0)  # [1, M, V], [1, M, F*d]
+            if logits is None:
+                logits = torch.zeros(b, width, lg.shape[-1])
+                feats = None if ft is None else torch.zeros(b, width, ft.shape[-1], dtype=ft.dtype)
+            o = 0
+            for i in ch:
+                n = ns[i] + 1
+                logits[i, :n] = lg[0, o:o + n]
+                if feats is not None:
+                    feats[i, :n] = ft[0, o:o + n]
+                o += n
+        return logits, feats
 
     def _batch_policy(self) -> BatchCostPolicy | None:
         """The batch-level cost policy when the engine's policy is ``cost`` (rebuilt if

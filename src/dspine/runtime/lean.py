@@ -125,6 +125,22 @@ class LeanDecode:
                                   sin[0].float().contiguous(), mask, want)
         return x[None], {i: f[None] for i, f in zip(want, feats)}
 
+    def forward_ragged(self, rt, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ks: list[torch.Tensor],
+                       vs: list[torch.Tensor], want: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Several requests' new tokens in one call (the batched engine, :mod:`dspine.batch`):
+        ``ids`` [M] int64 (at most :attr:`rows`), ``rows`` [M] int64 the slot-cache row of each,
+        ``pos`` [M] int64 its position (the cache has room for it); ``ks`` / ``vs`` per layer
+        [slots, kv, cap, hd] float32 (contiguous). Token m attends to positions 0..pos[m] of its
+        own row. Returns the last layer's output [1, M, D] and ``{layer: [1, M, D]}`` as
+        :meth:`forward`; each token's values are bitwise those of a one-request
+        :meth:`forward` of the same tokens (the kernels are batch-invariant)."""
+        x = rt.inner.embed_tokens(ids[None])[0].contiguous()
+        cos, sin = rt.inner.rotary_emb(x[None], pos[None])
+        want = sorted(set(want))
+        feats = self.impl.forward_ragged(x, ks, vs, rows.contiguous(), pos.contiguous(), cos[0].float().contiguous(),
+                                         sin[0].float().contiguous(), want)
+        return x[None], {i: f[None] for i, f in zip(want, feats)}
+
 
 def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8), context: int = 32,
                      repeats: int = 3, timer=None) -> int:

@@ -372,6 +372,12 @@ struct LeanLlama {
     }
   }
 
+  void check_x(const torch::Tensor& x, const std::vector<int64_t>& want) const {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
+                    x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "blockq lean: x must be contiguous float32 [1..", MAX_ROWS, ", D]");
+    for (int64_t f : want) TORCH_CHECK(f >= 0 && f < L, "blockq lean: feature layer ", f, " is not in 0..", L - 1);
+  }
+
   // x [M, D] float32 (the embeddings; overwritten with the last layer's output); kc, vc
   // [L, 1, KV, cap, hd] float32 (new K/V written at slots start..start+M-1); cos, sin [M, hd];
   // mask: an empty tensor (causal) or bool [M, start + M]. Returns the outputs of the layers in
@@ -379,21 +385,82 @@ struct LeanLlama {
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor kc, torch::Tensor vc, int64_t start,
                                      torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
                                      std::vector<int64_t> want) {
+    check_x(x, want);
     const int64_t M = x.size(0), end = start + M, cap = kc.size(3);
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
-                    M >= 1 && M <= MAX_ROWS, "blockq lean: x must be contiguous float32 [1..", MAX_ROWS, ", D]");
     TORCH_CHECK(start >= 0, "blockq lean: start must be >= 0, got ", start);
-    for (int64_t f : want) TORCH_CHECK(f >= 0 && f < L, "blockq lean: feature layer ", f, " is not in 0..", L - 1);
     TORCH_CHECK(kc.dim() == 5 && kc.size(1) == 1 && kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == L &&
                     kc.size(2) == KV && kc.size(4) == hd &&
                     end <= cap && kc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes(),
                 "blockq lean: cache buffers do not match");
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * hd && sin.numel() == M * hd,
-                "blockq lean: cos/sin must be contiguous [M, head_dim]");
     const bool has_mask = mask.defined() && mask.numel() > 0;
     if (has_mask)
       TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.numel() == M * end,
                   "blockq lean: mask must be contiguous bool [M, start + M]");
+    const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
+    float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
+    // row r's keys: slots 0..end-1 of the one cache, those the mask (or causality) allows
+    auto slot = [&](float* base, int64_t i, int64_t c, int64_t j) { return base + ((i * KV + c) * cap + j) * hd; };
+    return run(x, cos, sin, want,
+               [&](int64_t i, int64_t r, int64_t c) { return slot(kcp, i, c, start + r); },
+               [&](int64_t i, int64_t r, int64_t c) { return slot(vcp, i, c, start + r); },
+               [&](int64_t i, int64_t, int64_t c, int64_t j) -> const float* { return slot(kcp, i, c, j); },
+               [&](int64_t i, int64_t, int64_t c, int64_t j) -> const float* { return slot(vcp, i, c, j); },
+               [&](int64_t) { return end; },
+               [&](int64_t r, int64_t j) { return mp ? mp[r * end + j] : j <= start + r; });
+  }
+
+  // Several requests' rows in one call (the batched engine): x [M, D]; ks, vs per layer
+  // [rows, KV, cap, hd] float32 (the batched slot cache); row [M] int64: the cache row of each
+  // input row; pos [M] int64: its position (= its slot). Input row r sees slots 0..pos[r] of its
+  // own cache row (causal). Every input row is computed as the same row of a one-request
+  // forward() (the same sums in the same order), so a request's logits do not depend on the
+  // others in the call.
+  std::vector<torch::Tensor> forward_ragged(torch::Tensor x, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                                            torch::Tensor row, torch::Tensor pos, torch::Tensor cos, torch::Tensor sin,
+                                            std::vector<int64_t> want) {
+    check_x(x, want);
+    const int64_t M = x.size(0);
+    TORCH_CHECK(int64_t(ks.size()) == L && int64_t(vs.size()) == L, "blockq lean: one K and one V buffer per layer");
+    const int64_t rows = ks[0].size(0), cap = ks[0].size(2);
+    for (int64_t i = 0; i < L; ++i)
+      TORCH_CHECK(ks[i].dim() == 4 && ks[i].size(0) == rows && ks[i].size(1) == KV && ks[i].size(2) == cap &&
+                      ks[i].size(3) == hd && ks[i].is_contiguous() && vs[i].is_contiguous() &&
+                      ks[i].scalar_type() == torch::kFloat32 && vs[i].sizes() == ks[i].sizes() &&
+                      vs[i].scalar_type() == torch::kFloat32, "blockq lean: slot cache buffers do not match");
+    TORCH_CHECK(row.numel() == M && pos.numel() == M && row.scalar_type() == torch::kInt64 &&
+                    pos.scalar_type() == torch::kInt64 && row.is_contiguous() && pos.is_contiguous(),
+                "blockq lean: row and pos must be contiguous int64 [M]");
+    const int64_t *rp = row.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+    for (int64_t r = 0; r < M; ++r)
+      TORCH_CHECK(rp[r] >= 0 && rp[r] < rows && pp[r] >= 0 && pp[r] < cap, "blockq lean: input row ", r,
+                  " names cache row ", rp[r], " position ", pp[r], " outside the cache");
+    std::vector<float*> kp(L), vp(L);
+    for (int64_t i = 0; i < L; ++i) {
+      kp[i] = ks[i].data_ptr<float>();
+      vp[i] = vs[i].data_ptr<float>();
+    }
+    auto slot = [&](const std::vector<float*>& base, int64_t i, int64_t r, int64_t c, int64_t j) {
+      return base[i] + ((rp[r] * KV + c) * cap + j) * hd;
+    };
+    return run(x, cos, sin, want,
+               [&](int64_t i, int64_t r, int64_t c) { return slot(kp, i, r, c, pp[r]); },
+               [&](int64_t i, int64_t r, int64_t c) { return slot(vp, i, r, c, pp[r]); },
+               [&](int64_t i, int64_t r, int64_t c, int64_t j) -> const float* { return slot(kp, i, r, c, j); },
+               [&](int64_t i, int64_t r, int64_t c, int64_t j) -> const float* { return slot(vp, i, r, c, j); },
+               [&](int64_t r) { return pp[r] + 1; },
+               [&](int64_t, int64_t) { return true; });
+  }
+
+  // The layers over x [M, D] (overwritten with the last layer's output). ``kdst(i, r, c)`` /
+  // ``vdst``: where layer i writes row r's new key / value of K/V head c; ``key(i, r, c, j)`` /
+  // ``val``: key / value j of the keys row r may read (j in 0..nkeys(r)-1, those with ok(r, j)).
+  template <typename KDst, typename VDst, typename KSrc, typename VSrc, typename N, typename Ok>
+  std::vector<torch::Tensor> run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<int64_t>& want,
+                                 const KDst& kdst, const VDst& vdst, const KSrc& key, const VSrc& val, const N& nkeys,
+                                 const Ok& ok) {
+    const int64_t M = x.size(0);
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * hd && sin.numel() == M * hd,
+                "blockq lean: cos/sin must be contiguous [M, head_dim]");
     auto opt = x.options();
     auto h = torch::empty({M, D}, opt), q = torch::empty({M, H * hd}, opt), k = torch::empty({M, KV * hd}, opt),
          v = torch::empty({M, KV * hd}, opt), att = torch::empty({M, H * hd}, opt), y = torch::empty({M, D}, opt),
@@ -402,9 +469,9 @@ struct LeanLlama {
           *vp = v.data_ptr<float>(), *ap = att.data_ptr<float>(), *yp = y.data_ptr<float>(), *gp = g.data_ptr<float>(),
           *up = u.data_ptr<float>();
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-    const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
-    float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
     const int64_t group = H / KV;
+    int64_t most = 0;
+    for (int64_t r = 0; r < M; ++r) most = std::max(most, int64_t(nkeys(r)));
     std::vector<torch::Tensor> feats;
     for (int64_t i = 0; i < L; ++i) {
       const Lin* w = &lins[i * 7];
@@ -414,38 +481,33 @@ struct LeanLlama {
       lin_apply(w[2], hp, M, vp);
       rope(qp, M, H, hd, cp, sp);
       rope(kp, M, KV, hd, cp, sp);
-      float* kl = kcp + i * KV * cap * hd;
-      float* vl = vcp + i * KV * cap * hd;
       for (int64_t r = 0; r < M; ++r)
         for (int64_t c = 0; c < KV; ++c) {
-          std::copy(kp + (r * KV + c) * hd, kp + (r * KV + c + 1) * hd, kl + (c * cap + start + r) * hd);
-          std::copy(vp + (r * KV + c) * hd, vp + (r * KV + c + 1) * hd, vl + (c * cap + start + r) * hd);
+          std::copy(kp + (r * KV + c) * hd, kp + (r * KV + c + 1) * hd, kdst(i, r, c));
+          std::copy(vp + (r * KV + c) * hd, vp + (r * KV + c + 1) * hd, vdst(i, r, c));
         }
       at::parallel_for(0, M * H, 1, [&](int64_t lo, int64_t hi) {
-        std::vector<float> p(end);
+        std::vector<float> p(most);
         for (int64_t it = lo; it < hi; ++it) {
-          const int64_t r = it / H, hh = it % H, c = hh / group;
+          const int64_t r = it / H, hh = it % H, c = hh / group, n = nkeys(r);
           const float* qv = qp + (r * H + hh) * hd;
-          const float* kb = kl + c * cap * hd;
-          const float* vb = vl + c * cap * hd;
           float mx = -INFINITY;
-          for (int64_t j = 0; j < end; ++j) {
-            const bool ok = mp ? mp[r * end + j] : j <= start + r;
-            if (!ok) { p[j] = -INFINITY; continue; }
-            p[j] = dot(qv, kb + j * hd, hd) * scaling;
+          for (int64_t j = 0; j < n; ++j) {
+            if (!ok(r, j)) { p[j] = -INFINITY; continue; }
+            p[j] = dot(qv, key(i, r, c, j), hd) * scaling;
             mx = std::max(mx, p[j]);
           }
           float sum = 0.0f;
-          for (int64_t j = 0; j < end; ++j) {
+          for (int64_t j = 0; j < n; ++j) {
             p[j] = p[j] == -INFINITY ? 0.0f : std::exp(p[j] - mx);
             sum += p[j];
           }
           float* o = ap + (r * H + hh) * hd;
           for (int64_t e = 0; e < hd; ++e) o[e] = 0.0f;
-          for (int64_t j = 0; j < end; ++j) {
+          for (int64_t j = 0; j < n; ++j) {
             if (p[j] == 0.0f) continue;
             const float pj = p[j] / sum;
-            const float* vj = vb + j * hd;
+            const float* vj = val(i, r, c, j);
             for (int64_t e = 0; e < hd; ++e) o[e] += pj * vj[e];
           }
         }
@@ -670,7 +732,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<LeanLlama>(mod, "LeanLlama")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                           double>())
-      .def("forward", &LeanLlama::forward);
+      .def("forward", &LeanLlama::forward)
+      .def("forward_ragged", &LeanLlama::forward_ragged);
   pybind11::class_<LeanDrafter>(mod, "LeanDrafter")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor,
                           torch::Tensor, double, int64_t, int64_t, int64_t, double, double, int64_t>())
