@@ -109,3 +109,14 @@ def test_shipped_subset_greedy_equals_ar_on_the_real_target():
         want = ar.generate(ids, SamplingConfig(), 40).token_ids
         got = eng.generate(ids, SamplingConfig(), 40)
         assert got.token_ids == want and got.stats.accepted_length_mean > 1.0
+
+
+def test_memory_counts_the_draft_vocabulary_rows():
+    from dspine.config import DSpineConfig
+    from dspine.memory import estimate
+
+    cfg = DSpineConfig.small()
+    full = {r.key: r.bytes for r in estimate(cfg, head_kernels=("int8", "exact")).rows}
+    sub = {r.key: r.bytes for r in estimate(cfg, head_kernels=("int8", "exact"), draft_vocab=1024).rows}
+    assert full["quantized_head"] == cfg.vocab_size * cfg.target_hidden and "draft_vocab_head" not in full
+    assert sub["quantized_head"] == 1024 * cfg.target_hidden and sub["draft_vocab_head"] > 0

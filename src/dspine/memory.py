@@ -288,13 +288,14 @@ class MemoryReport:
 def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
              dtype: str = "bfloat16", target_dtype: str | None = None,
              profile: str = "", head_kernels: tuple[str, ...] = ("int8",), tree_budget: int = 0,
-             ngram_cache_tokens: int = 0, ngram_max: int = 4) -> MemoryReport:
+             ngram_cache_tokens: int = 0, ngram_max: int = 4, draft_vocab: int = 0) -> MemoryReport:
     """Footprint of drafter ``cfg`` (+ ``target``) in ``dtype``.
 
     ``head_kernels``: the candidate-pass kernels a run keeps (:mod:`dspine.tune.head`;
     measured per machine, ``dspine tune`` shows them): ``int8`` holds a V x d int8 copy
     of the head plus scales (the spec's quantized pass), ``bfloat16`` a bf16 copy,
-    ``exact`` none.
+    ``exact`` none. ``draft_vocab`` > 0: the candidate pass scores only that many ids
+    (:mod:`dspine.draft_vocab`), so its copies hold that many head rows.
 
     Args:
         target: None, a name/path, a loaded Target or a :class:`TargetSpec`.
@@ -332,13 +333,18 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
         rows.append(Row("greedy_tables", f"greedy lookup tables [{V}, {dm}] + [{V}, {2 * dm}]",
                         V * 3 * dm * s, "dspine scores exact conditional tables instead", layout="release"))
     # both modes: the candidate pass of the final stage / the DFlash-style argmax
+    Vh = draft_vocab if 0 < draft_vocab < V else V  # rows the candidate pass scores
+    sub = "" if Vh == V else f" (draft vocabulary: {Vh} of {V} ids)"
     if "int8" in head_kernels:
-        rows.append(Row("quantized_head", f"quantized coarse head copy [{V}, {d}] int8/fp8", V * d,
-                        "+ scales below"))
-        rows.append(Row("quantized_head_scales", f"coarse head row scales [{V}] float32", V * 4, indent=1))
+        rows.append(Row("quantized_head", f"quantized coarse head copy [{Vh}, {d}] int8/fp8", Vh * d,
+                        "+ scales below" + sub))
+        rows.append(Row("quantized_head_scales", f"coarse head row scales [{Vh}] float32", Vh * 4, indent=1))
     if "bfloat16" in head_kernels:
-        rows.append(Row("bf16_head", f"bfloat16 coarse head copy [{V}, {d}]", V * d * 2,
-                        "candidate pass measured fastest in bf16 at some row counts"))
+        rows.append(Row("bf16_head", f"bfloat16 coarse head copy [{Vh}, {d}]", Vh * d * 2,
+                        "candidate pass measured fastest in bf16 at some row counts" + sub))
+    if "exact" in head_kernels and Vh < V:
+        rows.append(Row("draft_vocab_head", f"head rows of the draft vocabulary [{Vh}, {d}]", Vh * d * s,
+                        "the exact candidate pass over the draft vocabulary scores a copy of those rows"))
     per = draft_kv_bytes_per_position(cfg, s)
     W = cfg.window
     ring = ring_buffer_positions(context, W)
@@ -432,9 +438,15 @@ def cmd_memory(args) -> int:
     spec = target_spec(args.target) if args.target else None
     cfg = drafter_config(args.config, spec)
     profile = args.config if args.config in ("release", "small") else Path(args.config).name
+    vocab = 0
+    if args.config not in ("release", "small") and Path(args.config).is_dir():  # a checkpoint's draft vocabulary
+        from .draft_vocab import load_draft_vocab
+
+        ids = load_draft_vocab(args.config, cfg.vocab_size, cfg.head_topk)
+        vocab = 0 if ids is None else int(ids.numel())
     rep = estimate(cfg, spec, context=args.context, concurrency=args.concurrency, dtype=args.dtype,
                    profile=profile, tree_budget=args.tree_budget, ngram_cache_tokens=args.ngram_cache_tokens,
-                   ngram_max=args.ngram_max)
+                   ngram_max=args.ngram_max, draft_vocab=vocab)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
