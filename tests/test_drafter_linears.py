@@ -57,14 +57,17 @@ def test_auto_follows_the_measurement_and_bad_values_are_refused(tiny256):
 
 
 def _q8_proposer(tiny):
-    """The distribution tests' strong-bridge DSpine drafter (seed 3), its linears on Q8_0 blocks."""
-    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=3, head_topk=4, coarse_k=6)
+    """The distribution tests' strong-bridge DSpine drafter (seed 3), its linears on Q8_0 blocks
+    (messages of 32, so every linear packs and the block forward is the lean one in C++,
+    :mod:`dspine.runtime.lean_drafter`, as the shipped drafter's)."""
+    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=3, head_topk=4, coarse_k=6, msg_dim=32)
     with torch.no_grad():
         for w in d.write:
             w.weight.mul_(BRIDGE_GAIN)
         d.v_p.weight.mul_(BRIDGE_GAIN)
     p = DrafterProposer(d, linears="q8")
     assert p.linears == "q8" and p.kernel_info()["drafter_linears"] == "q8"
+    assert p.kernel_info()["drafter_forward"] == "lean"
     return p
 
 

@@ -4,23 +4,21 @@ It must compute what :meth:`DSpineDrafter.forward_blocks` computes (float32, ano
 the sums): compared here on a drafter with a ring-buffer context holding invalid slots,
 positions after the anchor and positions outside the window, for every row count. The
 drafter only proposes, so the output must stay the target's: greedy equality with ``ar`` on
-the real target and the exact sampled distribution (chi-square, with a broken verifier as the
-negative control) run through it.
+the real target runs through it here, and the exact sampled distribution (chi-square, with a
+broken verifier as the negative control) in ``tests/test_drafter_linears.py``, whose q8
+drafter takes the lean forward.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-import dspine.engine
 from dspine.config import SamplingConfig
 from dspine.draft import DrafterProposer, random_drafter
 from dspine.engine import Engine
 from dspine.runtime import blockq as B
 from dspine.runtime.lean_drafter import LeanDrafter, block_forward, lean_drafter_support
 from dspine.tune.drafter import quantize_drafter
-from test_distribution import (ALPHA, BRIDGE_GAIN, BLOCK, N, N_NEG, SETTINGS, _verify_residual_is_p, chi2_pvalue,
-                               exact, sample_counts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,28 +81,6 @@ def test_where_the_lean_forward_does_not_run(tiny256, monkeypatch):
         q._lean.forward_blocks(torch.tensor([[1]]), torch.tensor([[3]]), *(_context(q, 4, 3)), rows=9)
     with pytest.raises(ValueError, match="one block"):
         q._lean.forward_blocks(torch.tensor([[1, 2]]), torch.tensor([[3, 4]]), *(_context(q, 4, 3)), rows=2)
-
-
-def _lean_proposer(tiny):
-    """The distribution tests' strong-bridge DSpine drafter (seed 3; messages of 32, so every
-    linear packs into Q8_0 blocks) on the lean forward."""
-    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=3, head_topk=4, coarse_k=6, msg_dim=32)
-    with torch.no_grad():
-        for w in d.write:
-            w.weight.mul_(BRIDGE_GAIN)
-        d.v_p.weight.mul_(BRIDGE_GAIN)
-    p = DrafterProposer(d, linears="q8")
-    assert p.drafter._lean is not None  # every linear's input size is a multiple of 32 here
-    return p
-
-
-def test_lean_drafter_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkeypatch):
-    _kernels_or_skip()
-    counts = sample_counts(Engine(tiny, _lean_proposer(tiny), "dspine"), SETTINGS["t1.0"], N, tiny.vocab_size)
-    assert chi2_pvalue(counts, exact(tiny, "t1.0")) > ALPHA
-    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
-    counts = sample_counts(Engine(tiny, _lean_proposer(tiny), "dspine"), SETTINGS["t1.0"], N_NEG, tiny.vocab_size)
-    assert chi2_pvalue(counts, exact(tiny, "t1.0")) < ALPHA
 
 
 def test_lean_drafter_greedy_equals_ar_on_the_real_target():
