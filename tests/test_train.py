@@ -395,10 +395,13 @@ def test_train_command_end_to_end(tmp_path, capsys):
                  "--max-tokens", "3000", "--seq-len", "64"]) == 0
     base = ["train", "--target", "random:llama", "--data", str(data), "--out", str(run), "--batch-size", "2",
             "--anchors", "2", "--max-len", "64", "--block-size", "4", "--eval-prompts", "1", "--threads", "1",
-            "--device", "cpu", "--save-every", "1"]
+            "--device", "cpu", "--save-every", "1", "--vocab-subset", "64"]
     assert main(base + ["--steps", "2"]) == 0
     card = json.loads((run / "final" / "card.json").read_text())
     assert card["steps"] == 2 and card["train_config"]["device"] == "cpu"
+    from dspine.draft_vocab import load_draft_vocab  # the CE's subset is the candidate pass's draft vocabulary
+
+    assert load_draft_vocab(run / "final", 256, 16).numel() == 64
     assert card["heldout_acceptance_greedy_fp32"]["n_code"] == 1
     assert card["train_config"]["eval_prompts"] == 1  # the card records the --eval-prompts used
     assert card["data_summary"] == "teacher-forcing text"  # only `data text` output: no regenerated claim

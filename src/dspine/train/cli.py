@@ -312,8 +312,8 @@ def cmd_train(args) -> int:
         if args.eval_prompts:  # minutes on a small CPU: show progress on stderr
             print(f"held-out acceptance of the final drafter ({args.eval_prompts} prompts per set) ...",
                   file=sys.stderr, flush=True)
-        acc = measure_acceptance(target, tr.model, n=args.eval_prompts, max_new_tokens=64,
-                                 progress=True) if args.eval_prompts else {}
+        acc = measure_acceptance(target, tr.model, n=args.eval_prompts, max_new_tokens=64, progress=True,
+                                 vocab=None if tr.subset is None else tr.subset.cpu()) if args.eval_prompts else {}
         card = {"target": args.target, "mode": cfg.mode, "data": [str(d) for d in args.data],
                 "data_summary": _data_summary(args.data),
                 "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
