@@ -71,6 +71,25 @@ def smol():
     return load_target("smollm2-135m", dtype="float32")
 
 
+@pytest.fixture
+def smol_lean(smol):
+    """The real target on the dense runtime with blockq linears, decoding on the lean path
+    (restored afterwards); skipped where the blockq kernels cannot be built."""
+    from dspine.runtime import blockq
+    from dspine.runtime.packed import apply_linear_backend
+
+    if blockq.kernels(progress=False) is None:
+        pytest.skip(f"the blockq kernels cannot be built here: {blockq.unavailable_reason()}")
+    smol.set_runtime("dense")
+    apply_linear_backend(smol, "blockq", progress=False)
+    try:
+        assert smol.runtime.decode_path == "lean"
+        yield smol
+    finally:
+        apply_linear_backend(smol, "aten", progress=False)
+        smol.set_runtime("hf")
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """random:llama, vocab 8, EOS off (every sampled sequence has the full length)."""
@@ -108,6 +127,17 @@ def ar_continuation(target, prompt_ids: list[int], max_new_tokens: int) -> list[
         assert len(res.token_ids) == max_new_tokens
         _AR_CACHE[key] = res.token_ids
     return _AR_CACHE[key]
+
+
+def assert_greedy_equals_ar(target, eng, tokens: int = 40) -> None:
+    """``eng``'s greedy output equals the plain ``ar`` loop's on a code and a chat prompt, and
+    it accepted drafted tokens (τ > 1: the proposal path really ran)."""
+    ar = Engine(target, None, "ar")
+    for prompt, chat in (("def fibonacci(n):", False), ("Name three prime numbers.", True)):
+        ids = target.encode_prompt(prompt, chat=chat)
+        want = ar.generate(ids, SamplingConfig(), tokens).token_ids
+        got = eng.generate(ids, SamplingConfig(), tokens)
+        assert got.token_ids == want and got.stats.accepted_length_mean > 1.0
 
 
 class _State:

@@ -15,26 +15,10 @@ from dspine.batch import BatchEngine, SlotKV
 from dspine.config import SamplingConfig
 from dspine.engine import Engine
 from dspine.runtime import blockq as B
-from dspine.runtime.packed import apply_linear_backend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\nx ="]
-
-
-@pytest.fixture
-def smol_lean(smol):
-    """The real target on the dense runtime with blockq linears (restored afterwards)."""
-    if B.kernels(progress=False) is None:
-        pytest.skip(f"the blockq kernels cannot be built here: {B.unavailable_reason()}")
-    smol.set_runtime("dense")
-    apply_linear_backend(smol, "blockq", progress=False)
-    try:
-        assert smol.runtime.decode_path == "lean"
-        yield smol
-    finally:
-        apply_linear_backend(smol, "aten", progress=False)
-        smol.set_runtime("hf")
 
 
 def test_ragged_forward_is_bitwise_each_requests_own_forward(smol_lean, monkeypatch):

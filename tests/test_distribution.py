@@ -134,18 +134,32 @@ def chi2_pvalue(counts: np.ndarray, P: np.ndarray, min_expected: float = 5.0) ->
 BRIDGE_GAIN = 40.0
 
 
-def strong_bridge_drafter(tiny, seed: int):
+def strong_bridge_drafter(tiny, seed: int, msg_dim: int | None = None, **proposer_kwargs):
     """The real DSpine random drafter, sparse q over K=4 of 8 tokens (coarse pool 6), with
     the bridge's value and write projections scaled by BRIDGE_GAIN each. Untrained
     bridge weights (std 0.02) make q_i(. | y_{i-1}) almost independent of the
     predecessor; amplified, the conditional rows of the final stage differ strongly,
-    so a chain that pairs a token with the wrong conditional q is detected."""
-    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=seed, head_topk=4, coarse_k=6)
+    so a chain that pairs a token with the wrong conditional q is detected.
+    ``msg_dim``: the bridge's message size (32 lets every linear pack into Q8_0 blocks);
+    ``proposer_kwargs`` go to :class:`DrafterProposer` (e.g. ``linears``, ``vocab``)."""
+    extra = {} if msg_dim is None else {"msg_dim": msg_dim}
+    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=seed, head_topk=4, coarse_k=6, **extra)
     with torch.no_grad():
         for w in d.write:
             w.weight.mul_(BRIDGE_GAIN)
         d.v_p.weight.mul_(BRIDGE_GAIN)
-    return DrafterProposer(d)
+    return DrafterProposer(d, **proposer_kwargs)
+
+
+def assert_exact_and_broken_verifier_fails(tiny, make_proposer, monkeypatch, setting: str = "t1.0") -> None:
+    """Sampled output with ``make_proposer()`` is the target's exact distribution (chi-square,
+    N runs), and the same with a verifier whose residual is p instead of norm(p - q)
+    (the negative control, N_NEG runs) is rejected."""
+    counts = sample_counts(Engine(tiny, make_proposer(), "dspine"), SETTINGS[setting], N, tiny.vocab_size)
+    assert chi2_pvalue(counts, exact(tiny, setting)) > ALPHA
+    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
+    counts = sample_counts(Engine(tiny, make_proposer(), "dspine"), SETTINGS[setting], N_NEG, tiny.vocab_size)
+    assert chi2_pvalue(counts, exact(tiny, setting)) < ALPHA
 
 
 @pytest.fixture(scope="module")

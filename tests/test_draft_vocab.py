@@ -14,15 +14,12 @@ import json
 import pytest
 import torch
 
-import dspine.engine
-from dspine.config import SamplingConfig
 from dspine.draft import DrafterProposer, random_drafter
 from dspine.draft_vocab import (FILE, DraftVocabError, coverage, frequent_tokens, load_draft_vocab, resolve,
                                 save_draft_vocab)
-from dspine.engine import Engine
 from dspine.final_stage import candidates
-from test_distribution import (ALPHA, BRIDGE_GAIN, BLOCK, N, N_NEG, SETTINGS, _verify_residual_is_p, chi2_pvalue,
-                               exact, sample_counts)
+from conftest import assert_greedy_equals_ar
+from test_distribution import assert_exact_and_broken_verifier_fails, strong_bridge_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,23 +74,10 @@ def test_candidates_come_from_the_subset_and_map_back_to_target_ids(tiny256):
         DrafterProposer(d, use_quantized_head=False, vocab=upper)
 
 
-def _subset_proposer(tiny):
-    """The distribution tests' strong-bridge DSpine drafter (seed 3) over 5 of the 8 ids."""
-    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=3, head_topk=4, coarse_k=6)
-    with torch.no_grad():
-        for w in d.write:
-            w.weight.mul_(BRIDGE_GAIN)
-        d.v_p.weight.mul_(BRIDGE_GAIN)
-    return DrafterProposer(d, vocab=torch.tensor([1, 3, 4, 6, 7]))
-
-
 def test_subset_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkeypatch):
-    eng = Engine(tiny, _subset_proposer(tiny), "dspine")
-    counts = sample_counts(eng, SETTINGS["t1.0"], N, tiny.vocab_size)
-    assert chi2_pvalue(counts, exact(tiny, "t1.0")) > ALPHA
-    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
-    counts = sample_counts(Engine(tiny, _subset_proposer(tiny), "dspine"), SETTINGS["t1.0"], N_NEG, tiny.vocab_size)
-    assert chi2_pvalue(counts, exact(tiny, "t1.0")) < ALPHA
+    # the distribution tests' strong-bridge DSpine drafter (seed 3) over 5 of the 8 ids
+    assert_exact_and_broken_verifier_fails(
+        tiny, lambda: strong_bridge_drafter(tiny, 3, vocab=torch.tensor([1, 3, 4, 6, 7])), monkeypatch)
 
 
 def test_shipped_subset_greedy_equals_ar_on_the_real_target():
@@ -103,12 +87,7 @@ def test_shipped_subset_greedy_equals_ar_on_the_real_target():
                                draft_vocab="subset")
     sub = eng.proposer.qhead.ids
     assert eng.proposer.kernel_info()["draft_vocab"] == sub.numel() < target.vocab_size
-    ar = Engine(target, None, "ar")
-    for prompt, chat in (("def fibonacci(n):", False), ("Name three prime numbers.", True)):
-        ids = target.encode_prompt(prompt, chat=chat)
-        want = ar.generate(ids, SamplingConfig(), 40).token_ids
-        got = eng.generate(ids, SamplingConfig(), 40)
-        assert got.token_ids == want and got.stats.accepted_length_mean > 1.0
+    assert_greedy_equals_ar(target, eng)
 
 
 def test_memory_counts_the_draft_vocabulary_rows():

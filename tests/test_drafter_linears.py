@@ -11,15 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dspine.engine
-from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, random_drafter
-from dspine.engine import Engine
+from dspine.draft import random_drafter
 from dspine.runtime import blockq as B
 from dspine.runtime.blockq import BlockQLinear
 from dspine.tune.drafter import plan_drafter_linears, q8_round, quantize_drafter
-from test_distribution import (ALPHA, BRIDGE_GAIN, BLOCK, N, N_NEG, SETTINGS, _verify_residual_is_p, chi2_pvalue,
-                               exact, sample_counts)
+from conftest import assert_greedy_equals_ar
+from test_distribution import assert_exact_and_broken_verifier_fails, strong_bridge_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,12 +57,7 @@ def _q8_proposer(tiny):
     """The distribution tests' strong-bridge DSpine drafter (seed 3), its linears on Q8_0 blocks
     (messages of 32, so every linear packs and the block forward is the lean one in C++,
     :mod:`dspine.runtime.lean_drafter`, as the shipped drafter's)."""
-    d = random_drafter(tiny, mode="dspine", block_size=BLOCK, seed=3, head_topk=4, coarse_k=6, msg_dim=32)
-    with torch.no_grad():
-        for w in d.write:
-            w.weight.mul_(BRIDGE_GAIN)
-        d.v_p.weight.mul_(BRIDGE_GAIN)
-    p = DrafterProposer(d, linears="q8")
+    p = strong_bridge_drafter(tiny, 3, msg_dim=32, linears="q8")
     assert p.linears == "q8" and p.kernel_info()["drafter_linears"] == "q8"
     assert p.kernel_info()["drafter_forward"] == "lean"
     return p
@@ -73,12 +65,7 @@ def _q8_proposer(tiny):
 
 def test_q8_drafter_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkeypatch):
     _kernels_or_skip()
-    eng = Engine(tiny, _q8_proposer(tiny), "dspine")
-    counts = sample_counts(eng, SETTINGS["t1.0"], N, tiny.vocab_size)
-    assert chi2_pvalue(counts, exact(tiny, "t1.0")) > ALPHA
-    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
-    counts = sample_counts(Engine(tiny, _q8_proposer(tiny), "dspine"), SETTINGS["t1.0"], N_NEG, tiny.vocab_size)
-    assert chi2_pvalue(counts, exact(tiny, "t1.0")) < ALPHA
+    assert_exact_and_broken_verifier_fails(tiny, lambda: _q8_proposer(tiny), monkeypatch)
 
 
 def test_q8_drafter_greedy_equals_ar_on_the_real_target():
@@ -88,9 +75,4 @@ def test_q8_drafter_greedy_equals_ar_on_the_real_target():
     target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
                                drafter_linears="q8", linear_backend="blockq")
     assert eng.proposer.linears == "q8"
-    ar = Engine(target, None, "ar")
-    for prompt, chat in (("def fibonacci(n):", False), ("Name three prime numbers.", True)):
-        ids = target.encode_prompt(prompt, chat=chat)
-        want = ar.generate(ids, SamplingConfig(), 40).token_ids
-        got = eng.generate(ids, SamplingConfig(), 40)
-        assert got.token_ids == want and got.stats.accepted_length_mean > 1.0
+    assert_greedy_equals_ar(target, eng)

@@ -28,20 +28,6 @@ def _kernels_or_skip():
         pytest.skip(f"the blockq kernels cannot be built here: {B.unavailable_reason()}")
 
 
-@pytest.fixture
-def smol_lean(smol):
-    """The real target on the dense runtime with blockq linears (restored afterwards)."""
-    _kernels_or_skip()
-    smol.set_runtime("dense")
-    apply_linear_backend(smol, "blockq", progress=False)
-    try:
-        assert smol.runtime.decode_path == "lean"
-        yield smol
-    finally:
-        apply_linear_backend(smol, "aten", progress=False)
-        smol.set_runtime("hf")
-
-
 def _both_paths(t, ids, n, layers, tree=None, monkeypatch=None):
     """(lean output, Python-path output) of the last ``n`` ids after the rest as prefix."""
     rt = t.runtime

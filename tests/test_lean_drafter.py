@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.config import SamplingConfig
+from conftest import assert_greedy_equals_ar
 from dspine.draft import DrafterProposer, random_drafter
 from dspine.engine import Engine
 from dspine.runtime import blockq as B
@@ -90,12 +90,7 @@ def test_lean_drafter_greedy_equals_ar_on_the_real_target():
     target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
                                drafter_linears="q8")
     assert eng.proposer.drafter._lean is not None
-    ar = Engine(target, None, "ar")
-    for prompt, chat in (("def fibonacci(n):", False), ("Name three prime numbers.", True)):
-        ids = target.encode_prompt(prompt, chat=chat)
-        want = ar.generate(ids, SamplingConfig(), 40).token_ids
-        got = eng.generate(ids, SamplingConfig(), 40)
-        assert got.token_ids == want and got.stats.accepted_length_mean > 1.0
+    assert_greedy_equals_ar(target, eng)
 
 
 def test_batched_proposals_on_the_lean_forward_keep_greedy_equal_to_ar(tiny256, monkeypatch):
