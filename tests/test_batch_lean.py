@@ -79,3 +79,98 @@ def test_batched_greedy_on_the_lean_path_equals_the_single_request_engine(smol_l
     got = BatchEngine(eng, 3).generate_many(prompts, max_new_tokens=24)
     assert [g.token_ids for g in got] == want
     assert calls  # the batched cycles ran on the lean path
+
+
+def test_ragged_tree_forward_is_bitwise_each_requests_own_tree_forward(smol_lean, monkeypatch):
+    """Draft trees in the batch (issue 21 item 4): a tree request's nodes sit at their depths
+    and see only their ancestors, packed beside a chain request, split over calls of a few
+    rows; each request's logits and features are bitwise its own one-request forward (chain,
+    or tree with the tree mask). Negative control: the tree read causally differs."""
+    from dspine.batch_lean import Inputs, lean_forward
+    from dspine.trees.tree import DraftTree
+
+    t, rt = smol_lean, smol_lean.runtime
+    plan, layers = rt.lean_plan(), [1, 8, t.num_layers - 1]
+    monkeypatch.setattr(plan, "max_rows", B.MAX_ROWS)
+    monkeypatch.setattr(t.model.lm_head, "rows", B.MAX_ROWS)
+    prompts = [t.encode_prompt(p) for p in PROMPTS[:2]]
+    tree = DraftTree(torch.tensor([11, 12, 13, 21, 22, 31]), torch.tensor([-1, -1, -1, 0, 0, 3]),
+                     torch.tensor([1, 1, 1, 2, 2, 3]))
+    anchor = 7
+    tree_in = Inputs(torch.cat([torch.tensor([anchor]), tree.tokens]), tree.positions(), tree.attention_mask())
+    chain_in = Inputs(torch.tensor([anchor, 44, 45, 46]))
+    kv, want = SlotKV(t.num_layers, 2), []
+    for p, q in zip(prompts, (tree_in, chain_in)):
+        cache = rt.new_cache()
+        rt.forward(torch.tensor([p]), cache, None)
+        kv.add_row(cache.kv_rows(), len(p))
+        tr = (q.offsets, q.mask) if q.mask is not None else None
+        lg, ft = rt.forward(q.tokens[None], cache, layers, tree=tr)
+        want.append((lg[0], ft[0]))
+    starts = [len(p) for p in prompts]
+    for chunk in (B.MAX_ROWS, 3):  # all in one call; a request's inputs split over calls
+        monkeypatch.setattr(plan, "max_rows", chunk)
+        logits, feats = lean_forward(t, plan, kv, [tree_in, chain_in], starts, layers)
+        for (lg, ft), got_lg, got_ft in zip(want, logits, feats):
+            assert torch.equal(got_lg, lg) and torch.equal(got_ft, ft)
+    causal = Inputs(tree_in.tokens)  # the same nodes as a chain: ancestors ignored
+    logits, _ = lean_forward(t, plan, kv, [causal, chain_in], starts, layers)
+    assert not torch.equal(logits[0], want[0][0])
+    # a mask narrower than the tree: refused in Python, and by the kernel
+    with pytest.raises(ValueError, match="mask"):
+        Inputs(tree_in.tokens, tree_in.offsets, tree_in.mask[:, :3])
+    n, s0 = len(tree_in), starts[0]  # the kernel's own check, past the Python one
+    with pytest.raises(RuntimeError, match="not within its tree"):
+        plan.forward_ragged(rt, tree_in.tokens, torch.zeros(n, dtype=torch.long), torch.arange(s0, s0 + n), kv.k,
+                            kv.v, layers, (s0 + tree_in.offsets, torch.full((n,), s0), tree_in.mask[:, :3].contiguous()))
+
+
+def _tree_engine(t):
+    from dspine.cli import default_drafter_path
+    from dspine.draft import DrafterProposer, load_drafter
+    from dspine.proposers import make_proposer
+    from dspine.trees.tree import TreeSpec
+
+    d = load_drafter(default_drafter_path("smollm2-135m", "dspine"), t)
+    prop = make_proposer("hybrid", DrafterProposer(d, linears="q8"))
+    return Engine(t, prop, "dspine", tree=TreeSpec(8, None, size="fixed"))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_batched_trees_equal_the_single_request_engine(smol_lean, sampling, monkeypatch):
+    """`dspine serve`'s batched cycles verify draft trees: greedy and sampled outputs are
+    token for token the single-request engine's (the same logits, bitwise, and the same
+    draws of each request's own generator; the single-request tree paths are proven exact
+    in tests/test_trees*.py), and greedy equals `ar`. Negative control: a batch that keeps
+    the rejected nodes' K/V (no compaction of the accepted path) diverges."""
+    t = smol_lean
+    plan = t.runtime.lean_plan()
+    monkeypatch.setattr(plan, "max_rows", B.MAX_ROWS)  # the one-request trees run lean too
+    monkeypatch.setattr(t.model.lm_head, "rows", B.MAX_ROWS)
+    eng = _tree_engine(t)
+    prompts = [t.encode_prompt(p) for p in PROMPTS]
+    want = [eng.generate(p, sampling, 24) for p in prompts]
+    assert any(n > 0 for w in want for n in w.stats.tree_nodes)  # trees were verified
+    got = BatchEngine(eng, 3).generate_many(prompts, sampling, max_new_tokens=24)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert any(n > 0 for g in got for n in g.stats.tree_nodes)  # ... in the batch too
+    if sampling.greedy:
+        ar = Engine(t, None, "ar")
+        assert [g.token_ids for g in got] == [ar.generate(p, sampling, 24).token_ids for p in prompts]
+    monkeypatch.setattr(SlotKV, "keep_rows", lambda self, r, start, rows: self.lengths.__setitem__(r, start + len(rows)))
+    broken = BatchEngine(eng, 3).generate_many(prompts, sampling, max_new_tokens=24)
+    assert [g.token_ids for g in broken] != [w.token_ids for w in want]
+
+
+def test_batched_trees_fall_back_to_chains_off_the_lean_path(smol):
+    """On transformers' batched forward (no tree masks there) a tree budget drafts chains:
+    no cycle verifies a tree and greedy output still equals `ar`."""
+    eng = _tree_engine(smol)
+    prompts = [smol.encode_prompt(p) for p in PROMPTS[:2]]
+    be = BatchEngine(eng, 2)
+    got = be.generate_many(prompts, max_new_tokens=12)
+    assert be.batched and be._lean_plan() is None
+    assert all(n == 0 for g in got for n in g.stats.tree_nodes)
+    ar = Engine(smol, None, "ar")
+    assert [g.token_ids for g in got] == [ar.generate(p, SamplingConfig(), 12).token_ids for p in prompts]

@@ -19,6 +19,13 @@ kept contiguous (``0 .. b-1``, a leaving row is replaced by the last one), so th
 forward reads views of the buffers, not copies. Buffers grow by doubling and are
 freed when the batch empties.
 
+On the lean decode path (a dense-runtime target on the blockq kernels) the forward is
+instead every request's own inputs packed without padding (:mod:`dspine.batch_lean`), and
+a request may verify a **draft tree** (the engine's tree budget, issue 21): its nodes
+write columns ``L_i + 1..``, sit at their depths and see their ancestors; after
+verification the accepted path's K/V move to consecutive columns
+(:meth:`SlotKV.keep_rows`). Off the lean path a tree budget drafts chains.
+
 Prefill stays per request (:meth:`Engine.start`, batch 1) and its KV is then copied
 into a free row. Targets whose cache is not plain full attention (sliding windows,
 linear-attention hybrids) or whose attention kernel takes no 4-D mask (only ``sdpa``
@@ -37,12 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_lean import Inputs, lean_forward
 from .batch_policy import BatchCostPolicy
 from .config import SamplingConfig
 from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request, _observe
 from .policy import CostModelPolicy, PerSourcePolicy
 from .proposers.base import Proposal
 from .sampling import sample_token
+from .trees.verify import verify_tree
 from .verify import Verdict, verify
 
 MAX_RUNNING_VALIDATED = 8  # spec section 8: at most 8 concurrent requests
@@ -188,6 +197,16 @@ class SlotKV:
             self.k, self.v, self._cache = [], [], None
         return moved
 
+    def keep_rows(self, r: int, start: int, rows: list[int]) -> None:
+        """After a draft tree's forward into row ``r`` from column ``start``: move the K/V of
+        its inputs ``rows`` (increasing, the anchor's 0 first: the accepted path) to columns
+        ``start, start + 1, ...`` of every layer and set the row's length past them."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k[0].device) + start
+        for lst in (self.k, self.v):
+            for t in lst:
+                t[r, :, start:start + len(rows)] = t[r, :, idx]  # the index copies first
+        self.lengths[r] = start + len(rows)
+
     def prepare(self, width: int, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Set up a forward of ``width`` new columns per row.
 
@@ -233,6 +252,14 @@ class BatchCycle:
     verify_s: float
     total_s: float
     emitted: int
+
+
+def _inputs(anchor: int, p: Proposal) -> Inputs:
+    """The forward's inputs of one request: the anchor, then its chain or flattened tree."""
+    a = torch.tensor([int(anchor)], dtype=torch.long)
+    if p.tree is None:
+        return Inputs(torch.cat([a, p.tokens.reshape(-1).long().cpu()]))
+    return Inputs(torch.cat([a, p.tree.tokens.long().cpu()]), p.tree.positions(), p.tree.attention_mask())
 
 
 class BatchEngine:
@@ -387,18 +414,18 @@ class BatchEngine:
         draft_s = sum(p.draft_s for p in props)
         final_s = sum(p.final_s for p in props)
         t1 = time.perf_counter()
-        ns = [int(p.tokens.shape[0]) for p in props]
+        inputs = [_inputs(req.anchor, p) for req, p in zip(reqs, props)]
+        ns = [len(q) - 1 for q in inputs]  # a tree: its nodes; the forward's rows are ns + 1
         width = max(ns) + 1
-        ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, (req, p) in enumerate(zip(reqs, props)):
-            ids[i, 0] = req.anchor
-            ids[i, 1:ns[i] + 1] = p.tokens.cpu()
         starts = list(self.kv.lengths)
         fl = eng.feature_layers
-        lean = self._lean_plan(width)
-        if lean is not None:  # every request's own tokens in one C++ call per chunk (no padding)
-            logits, feats = self._lean_forward(lean, ids, ns, starts, fl)
-        else:
+        lean = self._lean_plan()
+        if lean is not None:  # every request's own inputs in C++ calls without padding (trees too)
+            logits, feats = self._lean_forward(lean, inputs, starts, fl)
+        else:  # chains only (_propose builds trees only for the lean path)
+            ids = torch.zeros(len(reqs), width, dtype=torch.long)
+            for i, q in enumerate(inputs):
+                ids[i, :len(q)] = q.tokens
             pos, allowed = self.kv.prepare(width, eng.max_positions - 1)
             if self._attn == "sdpa":
                 mask = allowed
@@ -408,21 +435,26 @@ class BatchEngine:
             res = self.target.model(input_ids=ids.to(self.target.device), attention_mask=mask, position_ids=pos,
                                     past_key_values=self.kv._cache, use_cache=True,
                                     output_hidden_states=fl is not None)
-            logits = res.logits.float()  # [b, width, V]
-            feats = torch.cat([res.hidden_states[l + 1] for l in fl], dim=-1) if fl is not None else None
+            lg = res.logits.float()  # [b, width, V]
+            logits = [lg[i, :n + 1] for i, n in enumerate(ns)]
+            feats = None
+            if fl is not None:
+                f = torch.cat([res.hidden_states[l + 1] for l in fl], dim=-1)
+                feats = [f[i, :n + 1] for i, n in enumerate(ns)]
         t2 = time.perf_counter()
         verify_s = t2 - t1
         out: dict[int, list[int]] = {}
         emitted, own_verify_s, recs, commits = 0, 0.0, [], []
         for i, (req, p) in enumerate(zip(reqs, props)):
             tc = time.perf_counter()
-            n = ns[i]
-            lg = logits[i, : n + 1]
+            n, lg, tree = ns[i], logits[i], p.tree
             if req.finish_reason == "error":  # its proposal failed: nothing to verify or commit
                 out[id(req)] = []
                 continue
             try:  # the per-request part: a failure here fails this request only
-                if n == 0:
+                if tree is not None:
+                    verdict = verify_tree(tree, lg, req.sampling, req.gen)
+                elif n == 0:
                     verdict = Verdict(0, sample_token(lg[0], req.sampling, req.gen))
                 else:
                     verdict = verify(p.tokens, p.q_probs, p.q_ids, lg, req.sampling, req.gen)
@@ -430,17 +462,26 @@ class BatchEngine:
                 out[id(req)] = self._fail(req, e)  # nothing of this cycle was committed for it
                 continue
             a = verdict.accepted
-            self.kv.lengths[i] = starts[i] + a + 1
+            if tree is not None:  # keep the accepted path's K/V, in consecutive columns
+                rows = [0] + [c + 1 for c in verdict.path]
+                self.kv.keep_rows(i, starts[i], rows)
+                new = [int(tree.tokens[c]) for c in verdict.path] + [verdict.token]
+                if eng.tree_sizer is not None:  # its time model learns from lone cycles only
+                    eng.tree_sizer.observe(tree, verdict.path, verify_s if len(reqs) == 1 else 0.0)
+            else:
+                rows = list(range(a + 1))
+                self.kv.lengths[i] = starts[i] + a + 1
+                new = [int(t) for t in p.tokens[:a]] + [verdict.token]
             req.cache.length = starts[i] + a + 1
             tv = time.perf_counter()
             if eng.proposer is not None:  # committed for all requests at once below
-                f = feats[i, : a + 1] if feats is not None else torch.zeros(a + 1, 0)  # feature-less proposers
+                f = feats[i][rows] if feats is not None else torch.zeros(a + 1, 0)  # feature-less proposers
                 commits.append((req.draft_state, f, starts[i]))
-                _observe(eng.proposer, req.draft_state, ids[i, : a + 1].tolist(), starts[i])
-            req.count_acceptance(n, a)
-            new = [int(t) for t in p.tokens[:a]] + [verdict.token]
-            req.cycles.append(CycleRecord(n, a + 1, 0.0, 0.0, 0.0, 0.0, batched=True,
-                                          source=req.source))  # times below
+                _observe(eng.proposer, req.draft_state, inputs[i].tokens[rows].tolist(), starts[i])
+            depth = tree.max_depth if tree is not None else n
+            req.count_acceptance(depth, a)
+            req.cycles.append(CycleRecord(depth, a + 1, 0.0, 0.0, 0.0, 0.0, batched=True, source=req.source,
+                                          tree_nodes=tree.size if tree is not None else 0))  # times below
             recs.append(req.cycles[-1])
             own_verify_s += tv - tc
             out[id(req)] = eng._emit(req, new)
@@ -457,57 +498,19 @@ class BatchEngine:
             bpol.observe(len(reqs), width - 1, self.last_cycle.total_s)
         return out
 
-    def _lean_plan(self, width: int):
-        """The target's lean decode path (:mod:`dspine.runtime.lean`) when this cycle's forward
-        can take it: a dense-runtime target whose one-request forwards of ``width`` tokens run
-        lean, K/V in float32 on the CPU; else None (transformers' batched forward)."""
+    def _lean_plan(self):
+        """The target's lean decode path (:mod:`dspine.runtime.lean`) when this batch's
+        forwards can take it: a dense-runtime target with a lean plan, K/V in float32 on the
+        CPU; else None (transformers' batched forward, chains only)."""
         rt = getattr(self.target, "runtime", None)
         plan = rt.lean_plan() if rt is not None and hasattr(rt, "lean_plan") else None
-        if plan is None or width > self._lean_chunk(plan) or not self.kv.k or self.kv.k[0].dtype != torch.float32:
+        if plan is None or not self.kv.k or self.kv.k[0].dtype != torch.float32:
             return None
         return plan
 
-    def _lean_chunk(self, plan) -> int:
-        """Most tokens per lean call: the lean path's rows, and no more than the output head's
-        kernels take (so a request's logits are those of its one-request forward)."""
-        return min(plan.rows, getattr(self.target.model.lm_head, "rows", plan.rows))
-
-    def _lean_forward(self, plan, ids: torch.Tensor, ns: list[int], starts: list[int], fl):
-        """The batched verification forward on the lean path: request i's ``ns[i] + 1`` tokens
-        (``ids[i]``, the rest of the row is padding) at positions ``starts[i]..``, packed without
-        padding into calls of at most :meth:`_lean_chunk` tokens over the slot cache's rows.
-        The kernels are batch-invariant, so every request's logits and features are bitwise
-        those of its own one-request forward (``tests/test_batch_lean.py``). Returns logits
-        [b, width, V] float32 and features [b, width, F*d] (None without feature layers),
-        zeros past each request's tokens."""
-        rt, (b, width) = self.target.runtime, ids.shape
-        self.kv._ensure(max(s + n + 1 for s, n in zip(starts, ns)))
-        chunks, cur, m, cap = [], [], 0, self._lean_chunk(plan)
-        for i, n in enumerate(ns):
-            if cur and m + n + 1 > cap:
-                chunks.append(cur)
-                cur, m = [], 0
-            cur.append(i)
-            m += n + 1
-        chunks.append(cur)
-        logits = feats = None
-        for ch in chunks:
-            tok = torch.cat([ids[i, : ns[i] + 1] for i in ch])
-            rows = torch.cat([torch.full((ns[i] + 1,), i, dtype=torch.long) for i in ch])
-            pos = torch.cat([torch.arange(starts[i], starts[i] + ns[i] + 1) for i in ch])
-            x, by = plan.forward_ragged(rt, tok, rows, pos, self.kv.k, self.kv.v, list(fl or ()))
-            lg, ft = rt._finish(x, by, fl, 0)  # [1, M, V], [1, M, F*d]
-            if logits is None:
-                logits = torch.zeros(b, width, lg.shape[-1])
-                feats = None if ft is None else torch.zeros(b, width, ft.shape[-1], dtype=ft.dtype)
-            o = 0
-            for i in ch:
-                n = ns[i] + 1
-                logits[i, :n] = lg[0, o:o + n]
-                if feats is not None:
-                    feats[i, :n] = ft[0, o:o + n]
-                o += n
-        return logits, feats
+    def _lean_forward(self, plan, inputs: list[Inputs], starts: list[int], fl):
+        """The batched forward on the lean path (:func:`dspine.batch_lean.lean_forward`)."""
+        return lean_forward(self.target, plan, self.kv, inputs, starts, fl)
 
     def _batch_policy(self) -> BatchCostPolicy | None:
         """The batch-level cost policy when the engine's policy is ``cost`` (rebuilt if
@@ -523,12 +526,15 @@ class BatchEngine:
 
     # -- drafting ------------------------------------------------------------------------
     def _propose(self, reqs: list[Request], ns: list[int]) -> list[Proposal]:
-        """Proposals of every request (n_i = 0: none). With ``batch_draft`` the proposer
-        gets all requests at once (:meth:`Proposer.propose_many`: one drafter forward for
-        the drafter's requests); if that raises, each request is retried alone, so only
-        the culprit fails."""
+        """Proposals of every request (n_i = 0: none). Draft trees first where the engine
+        has a tree budget and the batch runs on the lean path (:meth:`_propose_trees`); the
+        other requests get chains. With ``batch_draft`` the proposer gets those requests at
+        once (:meth:`Proposer.propose_many`: one drafter forward for the drafter's
+        requests); if that raises, each request is retried alone, so only the culprit
+        fails."""
         empty = lambda: Proposal(torch.zeros(0, dtype=torch.long))  # noqa: E731
-        idx = [i for i, n in enumerate(ns) if n > 0]
+        out: list[Proposal | None] = self._propose_trees(reqs, ns)
+        idx = [i for i, n in enumerate(ns) if n > 0 and out[i] is None]
         prop = self.engine.proposer
         if self.batch_draft and len(idx) > 1 and hasattr(prop, "propose_many"):
             gens = [reqs[i].gen.get_state() for i in idx]  # a retry must redraw the same uniforms
@@ -540,18 +546,38 @@ class BatchEngine:
                 for i, g in zip(idx, gens):
                     reqs[i].gen.set_state(g)
             if got is not None:
-                out = [empty() for _ in reqs]
                 for i, p in zip(idx, got):
                     out[i] = p
-                return out
-        out = []
-        for i, r in enumerate(reqs):
+                idx = []
+        for i in idx:
+            r = reqs[i]
             try:
-                out.append(prop.propose(r.draft_state, r.anchor, self.kv.lengths[i], ns[i], r.sampling, r.gen)
-                           if ns[i] > 0 else empty())
+                out[i] = prop.propose(r.draft_state, r.anchor, self.kv.lengths[i], ns[i], r.sampling, r.gen)
             except Exception as e:  # noqa: BLE001 (this request only: it drafts nothing and leaves)
                 self._fail(r, e)
-                out.append(empty())
+        return [p if p is not None else empty() for p in out]
+
+    def _propose_trees(self, reqs: list[Request], ns: list[int]) -> list[Proposal | None]:
+        """Draft trees (:meth:`Proposer.propose_tree`, the engine's :class:`TreeSpec` and tree
+        sizer) for the requests whose proposer can build one this cycle, when the batch's
+        forward runs on the lean path (which takes tree masks); None elsewhere. A request
+        whose proposal raises fails alone (it gets an empty proposal)."""
+        eng = self.engine
+        out: list[Proposal | None] = [None] * len(reqs)
+        if not eng.tree.enabled or not hasattr(eng.proposer, "propose_tree") or self._lean_plan() is None:
+            return out
+        trim = eng.tree_sizer.trim if eng.tree_sizer is not None else None
+        for i, (r, n) in enumerate(zip(reqs, ns)):
+            if n <= 0:
+                continue
+            try:
+                p = eng.proposer.propose_tree(r.draft_state, r.anchor, self.kv.lengths[i], n, eng.tree,
+                                              r.sampling, r.gen, trim=trim)
+            except Exception as e:  # noqa: BLE001 (this request only)
+                self._fail(r, e)
+                p = Proposal(torch.zeros(0, dtype=torch.long))
+            if p is not None and (p.tree is not None or r.finish_reason == "error"):
+                out[i] = p
         return out
 
     # -- convenience ---------------------------------------------------------------------

@@ -315,6 +315,13 @@ def ignored_settings(args, sampling) -> list[str]:
     notes += proposer_notes(args)
     if args.mode == "ar" and getattr(args, "verify_policy", None) not in (None, "fixed"):
         notes.append(f"--verify-policy {args.verify_policy} ignored: --mode ar verifies no drafted tokens")
+    return notes + tree_notes(args)
+
+
+def tree_notes(args) -> list[str]:
+    """Notes for tree settings (``--tree-budget``, ``--tree-shape``, ``--tree-size``) that have
+    no effect with the others given (``generate``, ``serve``)."""
+    notes = []
     budget = getattr(args, "tree_budget", None)  # None: not given (the default budget applies silently)
     if budget and args.mode in ("ar", "dflash"):
         notes.append(f"--tree-budget {budget} ignored: --mode {args.mode} has no final-stage tables to build a tree from")

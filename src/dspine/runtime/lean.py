@@ -126,19 +126,29 @@ class LeanDecode:
         return x[None], {i: f[None] for i, f in zip(want, feats)}
 
     def forward_ragged(self, rt, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ks: list[torch.Tensor],
-                       vs: list[torch.Tensor], want: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       vs: list[torch.Tensor], want: list[int], tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                       | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Several requests' new tokens in one call (the batched engine, :mod:`dspine.batch`):
         ``ids`` [M] int64 (at most :attr:`rows`), ``rows`` [M] int64 the slot-cache row of each,
-        ``pos`` [M] int64 its position (the cache has room for it); ``ks`` / ``vs`` per layer
-        [slots, kv, cap, hd] float32 (contiguous). Token m attends to positions 0..pos[m] of its
-        own row. Returns the last layer's output [1, M, D] and ``{layer: [1, M, D]}`` as
-        :meth:`forward`; each token's values are bitwise those of a one-request
-        :meth:`forward` of the same tokens (the kernels are batch-invariant)."""
+        ``pos`` [M] int64 its slot (the cache has room for it); ``ks`` / ``vs`` per layer
+        [slots, kv, cap, hd] float32 (contiguous). Token m attends to slots 0..pos[m] of its
+        own row, at rotary position pos[m].
+
+        ``tree``: (rotary positions [M] int64, base [M] int64, mask [M, W] bool) for draft
+        trees (:meth:`dspine.trees.DraftTree.attention_mask`): token m then sits at its rotary
+        position, sees the slots before ``base[m]`` (its request's anchor slot) and the slots
+        ``base[m] + c`` with ``mask[m, c]``. Returns the last layer's output [1, M, D] and
+        ``{layer: [1, M, D]}`` as :meth:`forward`; each token's values are bitwise those of a
+        one-request :meth:`forward` of the same tokens, chain or tree (the kernels are
+        batch-invariant). Raises RuntimeError (from the kernel) when a tree's rows fall
+        outside their mask."""
         x = rt.inner.embed_tokens(ids[None])[0].contiguous()
-        cos, sin = rt.inner.rotary_emb(x[None], pos[None])
+        rope, base, mask = (pos, torch.empty(0, dtype=torch.long), torch.empty(0, 0, dtype=torch.bool)) \
+            if tree is None else tree
+        cos, sin = rt.inner.rotary_emb(x[None], rope[None])
         want = sorted(set(want))
         feats = self.impl.forward_ragged(x, ks, vs, rows.contiguous(), pos.contiguous(), cos[0].float().contiguous(),
-                                         sin[0].float().contiguous(), want)
+                                         sin[0].float().contiguous(), want, base.contiguous(), mask.contiguous())
         return x[None], {i: f[None] for i, f in zip(want, feats)}
 
 

@@ -33,9 +33,10 @@ def cmd_serve(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    from ..cli import DEFAULT_VERIFY_POLICY, proposer_notes
+    from ..cli import DEFAULT_VERIFY_POLICY, proposer_notes, tree_notes
+    from ..trees.tree import tree_spec_from_args
 
-    notes = list(proposer_notes(args))
+    notes = list(proposer_notes(args)) + tree_notes(args)
     if args.ngram_cache_scope != "key" and not args.ngram_cache_tokens:
         notes.append(f"--ngram-cache-scope {args.ngram_cache_scope} ignored: no output cache "
                      f"(--ngram-cache-tokens 0)")
@@ -62,13 +63,15 @@ def cmd_serve(args) -> int:
                                   persist=True, linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                   ngram_cache_tokens=args.ngram_cache_tokens, copy_bonus=args.copy_bonus,
-                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab)
+                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab,
+                                  tree=tree_spec_from_args(args))
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
     policy = args.verify_policy if args.mode != "ar" else "-"
     info = {"mode": args.mode, "target": args.target, "drafter": drafter, "dtype": args.dtype,
-            "verify_policy": policy, "proposer": args.proposer if args.mode != "ar" else "-"}
+            "verify_policy": policy, "proposer": args.proposer if args.mode != "ar" else "-",
+            "draft_tree": engine.tree_info()}
     if args.ngram_cache_tokens:
         info["ngram_cache"] = f"{args.ngram_cache_tokens} tokens, scope {args.ngram_cache_scope}"
     app = create_app(batch, name, args.max_queue, info, cache_scope=args.ngram_cache_scope)
@@ -144,6 +147,9 @@ def add_serve_parser(sub) -> None:
     from ..cli import add_draft_vocab_arg
 
     add_draft_vocab_arg(p)
+    from ..argtypes import DEFAULT_SERVE_TREE_BUDGET, add_tree_args
+
+    add_tree_args(p, DEFAULT_SERVE_TREE_BUDGET)  # batched trees run on the lean path (else chains)
     p.add_argument("--head-kernel", default="auto",
                    help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
                         "int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's blocks)")

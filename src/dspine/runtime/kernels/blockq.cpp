@@ -415,9 +415,14 @@ struct LeanLlama {
   // own cache row (causal). Every input row is computed as the same row of a one-request
   // forward() (the same sums in the same order), so a request's logits do not depend on the
   // others in the call.
+  //
+  // Draft trees: ``mask`` bool [M, W] (empty: causal) with ``base`` [M] int64, the first slot of
+  // the input row's request in this cycle (its anchor). Input row r then sees the slots before
+  // base[r] and those base[r] + c with mask[r, c] (c < W; its tree ancestors and itself), and
+  // pos[r] is only where it writes (its rotary position comes with cos/sin).
   std::vector<torch::Tensor> forward_ragged(torch::Tensor x, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
                                             torch::Tensor row, torch::Tensor pos, torch::Tensor cos, torch::Tensor sin,
-                                            std::vector<int64_t> want) {
+                                            std::vector<int64_t> want, torch::Tensor base, torch::Tensor mask) {
     check_x(x, want);
     const int64_t M = x.size(0);
     TORCH_CHECK(int64_t(ks.size()) == L && int64_t(vs.size()) == L, "blockq lean: one K and one V buffer per layer");
@@ -434,13 +439,27 @@ struct LeanLlama {
     for (int64_t r = 0; r < M; ++r)
       TORCH_CHECK(rp[r] >= 0 && rp[r] < rows && pp[r] >= 0 && pp[r] < cap, "blockq lean: input row ", r,
                   " names cache row ", rp[r], " position ", pp[r], " outside the cache");
+    const bool tree = mask.defined() && mask.numel() > 0;
+    const int64_t W = tree ? mask.size(-1) : 0;
+    const bool* mp = nullptr;
+    const int64_t* bp = nullptr;
+    if (tree) {
+      TORCH_CHECK(mask.dim() == 2 && mask.size(0) == M && mask.scalar_type() == torch::kBool && mask.is_contiguous() &&
+                      base.numel() == M && base.scalar_type() == torch::kInt64 && base.is_contiguous(),
+                  "blockq lean: a tree needs a contiguous bool mask [M, W] and int64 base [M]");
+      mp = mask.data_ptr<bool>();
+      bp = base.data_ptr<int64_t>();
+      for (int64_t r = 0; r < M; ++r)
+        TORCH_CHECK(bp[r] >= 0 && bp[r] <= pp[r] && pp[r] - bp[r] < W, "blockq lean: input row ", r, " at slot ", pp[r],
+                    " is not within its tree's ", W, " slots from ", bp[r]);
+    }
     std::vector<float*> kp(L), vp(L);
     for (int64_t i = 0; i < L; ++i) {
       kp[i] = ks[i].data_ptr<float>();
       vp[i] = vs[i].data_ptr<float>();
     }
-    auto slot = [&](const std::vector<float*>& base, int64_t i, int64_t r, int64_t c, int64_t j) {
-      return base[i] + ((rp[r] * KV + c) * cap + j) * hd;
+    auto slot = [&](const std::vector<float*>& buf, int64_t i, int64_t r, int64_t c, int64_t j) {
+      return buf[i] + ((rp[r] * KV + c) * cap + j) * hd;
     };
     return run(x, cos, sin, want,
                [&](int64_t i, int64_t r, int64_t c) { return slot(kp, i, r, c, pp[r]); },
@@ -448,7 +467,7 @@ struct LeanLlama {
                [&](int64_t i, int64_t r, int64_t c, int64_t j) -> const float* { return slot(kp, i, r, c, j); },
                [&](int64_t i, int64_t r, int64_t c, int64_t j) -> const float* { return slot(vp, i, r, c, j); },
                [&](int64_t r) { return pp[r] + 1; },
-               [&](int64_t, int64_t) { return true; });
+               [&](int64_t r, int64_t j) { return !tree || j < bp[r] || mp[r * W + (j - bp[r])]; });
   }
 
   // The layers over x [M, D] (overwritten with the last layer's output). ``kdst(i, r, c)`` /
