@@ -10,7 +10,9 @@ and per-(round, prompt) ratios against the fixed default. Every run's ids are ch
 equal to ``ar``'s.
 
 Usage: python benchmarks/tree_size.py [--rounds 2] [--tokens 96] [--prompts 4]
-       [--budgets 8,16,32] [--out benchmarks/tree_size.json]
+       [--budgets 8,16,32] [--drafter-linears auto] [--draft-vocab auto] [--out benchmarks/tree_size.json]
+(``--drafter-linears auto --draft-vocab auto``: the drafter as ``dspine generate`` runs it;
+the defaults keep the session-16 setting, float32 linears over the whole vocabulary.)
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (code, chat)")
     ap.add_argument("--budgets", default="8,16,32", help="budgets of the per-cycle sized trees")
     ap.add_argument("--linear-backend", default="auto")
+    ap.add_argument("--drafter-linears", default="float32", choices=("auto", "float32", "q8"),
+                    help="the drafter's own linears (dspine generate's default: auto)")
+    ap.add_argument("--draft-vocab", default="full", choices=("auto", "full", "subset"),
+                    help="the candidate pass's vocabulary (dspine generate's default: auto)")
     ap.add_argument("--out", default="benchmarks/tree_size.json")
     a = ap.parse_args()
     t, backend, drafter = load_smollm2_dense(a.linear_backend)
@@ -47,8 +53,13 @@ def main() -> None:
     configs = {"ar": Engine(t, None, "ar")}
     specs = {"chain": TreeSpec(0), "fixed8": TreeSpec(8)}
     specs.update({f"cost{b}": TreeSpec(int(b), size="cost") for b in a.budgets.split(",")})
+    from dspine.cli import DEFAULT_CHECKPOINTS
+    from dspine.draft_vocab import resolve
+
+    vocab = resolve(a.draft_vocab, DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", drafter.cfg.vocab_size,
+                    drafter.cfg.head_topk)
     for name, spec in specs.items():
-        prop = make_proposer("hybrid", DrafterProposer(drafter))
+        prop = make_proposer("hybrid", DrafterProposer(drafter, linears=a.drafter_linears, vocab=vocab))
         configs[name] = Engine(t, prop, "dspine", verify_policy=make_policy("cost", t, prop), tree=spec)
     labels = list(configs)
     prompts = heldout_ids(t, a.prompts)
@@ -78,6 +89,7 @@ def main() -> None:
         "machine": machine_info(), "machine_line": describe(), "threads": torch.get_num_threads(),
         "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0], "linear_backend": backend,
         "runtime": "dense", "dtype": "float32", "proposer": "hybrid", "verify_policy": "cost",
+        "drafter_linears": a.drafter_linears, "draft_vocab": a.draft_vocab,
         "rounds": a.rounds, "tokens": a.tokens, "prompts_per_set": a.prompts,
         "median_tokens_per_second": {lb: med(lb, "tokens_per_second") for lb in labels},
         "tau_pooled_code": {lb: pooled_tau(lb, "code") for lb in labels if lb != "ar"},

@@ -57,6 +57,34 @@ def test_prior_prices_the_shared_forward_by_its_tokens():
     assert pol.choose([_Req(), _Req()], [15, 1])[1] <= 1
 
 
+class _SrcCycle(_Cycle):
+    def __init__(self, n, emitted, source):
+        super().__init__(n, emitted)
+        self.source = source
+
+
+def test_hybrid_requests_are_priced_by_their_own_source():
+    """A hybrid batch (session 22): requests copying their prompt (source ``ngram``, whose
+    copies were accepted whole) are priced by the copy policy's record and without drafter
+    cost, so the batch verifies their copies, while the drafter's record (nothing accepted)
+    alone would take plain steps (negative control: no ``sources``). Drafting requests
+    still count their drafter forward in the prior."""
+    curve = CostCurve([1.0 + 0.1 * n for n in range(16)], draft_s=1.5)  # drafting is dear
+    draft = CostModelPolicy(curve, prior_accept=0.6, explore_every=0, source="draft")
+    ngram = CostModelPolicy(curve, prior_accept=0.6, explore_every=0, source="ngram")
+    hist = [_SrcCycle(8, 9, "ngram")] * 6 + [_SrcCycle(8, 1, "draft")] * 6
+    reqs = [_Req(hist) for _ in range(2)]
+    for r in reqs:
+        r.source = "ngram"
+    per_source = BatchCostPolicy(draft, max_batch=4, sources={"draft": draft, "ngram": ngram})
+    assert per_source.drafts(_Req()) and not per_source.drafts(reqs[0])
+    assert per_source.choose(reqs, [15, 15])[0] >= 4
+    assert per_source.prior(2, 4, d=0) == pytest.approx(curve.verify_s[9])  # no drafter forward
+    assert per_source.prior(2, 4) == pytest.approx(curve.verify_s[9] + 2 * (curve.cycle_s(4) - curve.verify_s[4]))
+    ctrl = BatchCostPolicy(CostModelPolicy(curve, prior_accept=0.6, explore_every=0, source="draft"), max_batch=4)
+    assert ctrl.choose(reqs, [15, 15]) == [0, 0]
+
+
 def test_choice_is_the_argmax_of_the_batch_rate():
     """Brute force over n against the module's formula, on requests with different histories."""
     base = CostModelPolicy(_linear_curve(per_token=0.05), prior_accept=0.5, explore_every=0)
@@ -119,7 +147,7 @@ def test_cost_table_edges():
     pol.observe(3, 1, 4.0)  # beyond max_batch: ignored
     pol.observe(1, 9, 1.0)  # beyond n_max: ignored
     pol.observe(1, 0, float("nan"))
-    assert pol.obs_w[2] == [0.0, 1.0, 0.0, 0.0] and pol.obs_w[1] == [0.0] * 4
+    assert pol.obs == {(2, 2, 1): [4.0, 1.0]}  # (b, drafting requests, n): all b by default
     assert pol.cycle_cost(2, 1) == 4.0
     ratio = 4.0 / pol.prior(2, 1)
     assert pol.cycle_cost(1, 2) == pytest.approx(pol.prior(1, 2) * ratio)  # nearest observed cell

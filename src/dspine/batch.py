@@ -495,7 +495,8 @@ class BatchEngine:
             rec.draft_s, rec.final_s = draft_s, final_s
             rec.verify_s, rec.total_s = verify_s + own_verify_s, self.last_cycle.total_s
         if bpol is not None:
-            bpol.observe(len(reqs), width - 1, self.last_cycle.total_s)
+            drafted = sum(1 for r, n in zip(reqs, ns) if n > 0 and bpol.drafts(r))
+            bpol.observe(len(reqs), width - 1, self.last_cycle.total_s, drafted)
         return out
 
     def _lean_plan(self):
@@ -515,13 +516,13 @@ class BatchEngine:
     def _batch_policy(self) -> BatchCostPolicy | None:
         """The batch-level cost policy when the engine's policy is ``cost`` (rebuilt if
         the engine's policy object was replaced), else None (per-request choices)."""
-        pol = self.engine.verify_policy
-        if isinstance(pol, PerSourcePolicy):  # hybrid: the batched forward is priced by the drafter's policy
-            pol = pol.policies[pol.default]
+        pol, sources = self.engine.verify_policy, None
+        if isinstance(pol, PerSourcePolicy):  # hybrid: the drafter's curve prices the forward,
+            pol, sources = pol.policies[pol.default], pol.policies  # each source's record its requests
         if not isinstance(pol, CostModelPolicy):
             return None
         if self.batch_policy is None or self.batch_policy.policy is not pol:
-            self.batch_policy = BatchCostPolicy(pol, self.max_running)
+            self.batch_policy = BatchCostPolicy(pol, self.max_running, sources=sources)
         return self.batch_policy
 
     # -- drafting ------------------------------------------------------------------------
