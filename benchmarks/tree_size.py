@@ -3,10 +3,11 @@
 One process, one loaded float32 target on the dense runtime, the shipped DSpine drafter,
 the default proposer (hybrid) and cost policy; held-out prompts (``heldout_prompts``, never
 trained on), greedy, EOS ignored so every configuration emits the same count. Configs: ``ar``,
-the chain (budget 0), the default fixed tree (budget 8) and per-cycle sized trees under
-several budgets. Interleaved: each round runs every configuration on each prompt once in a
+the chain (budget 0), per-cycle sized trees under several budgets, each with the tree gate
+(``costB``, the default since session 22: a tree or a chain per drafting cycle by their measured
+rates) and without it (``costB-always``), and with ``--fixed8`` session 14's fixed tree of 8. Interleaved: each round runs every configuration on each prompt once in a
 rotating order; medians of output tokens/s after prefill, pooled tau, mean verified nodes,
-and per-(round, prompt) ratios against the fixed default. Every run's ids are checked
+and per-(round, prompt) ratios against the chain (or the fixed tree with ``--fixed8``). Every run's ids are checked
 equal to ``ar``'s.
 
 Usage: python benchmarks/tree_size.py [--rounds 2] [--tokens 96] [--prompts 4]
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (code, chat)")
     ap.add_argument("--budgets", default="8,16,32", help="budgets of the per-cycle sized trees")
     ap.add_argument("--linear-backend", default="auto")
+    ap.add_argument("--fixed8", action="store_true", help="also the fixed tree of 8 (session 14's default)")
     ap.add_argument("--drafter-linears", default="float32", choices=("auto", "float32", "q8"),
                     help="the drafter's own linears (dspine generate's default: auto)")
     ap.add_argument("--draft-vocab", default="full", choices=("auto", "full", "subset"),
@@ -51,8 +53,11 @@ def main() -> None:
     load0 = os.getloadavg()[0]
 
     configs = {"ar": Engine(t, None, "ar")}
-    specs = {"chain": TreeSpec(0), "fixed8": TreeSpec(8)}
-    specs.update({f"cost{b}": TreeSpec(int(b), size="cost") for b in a.budgets.split(",")})
+    specs = {"chain": TreeSpec(0)}
+    if a.fixed8:
+        specs["fixed8"] = TreeSpec(8)
+    for b in a.budgets.split(","):  # sized trees, with the tree gate (the default) and without it
+        specs[f"cost{b}"] = specs[f"cost{b}-always"] = TreeSpec(int(b), size="cost")
     from dspine.cli import DEFAULT_CHECKPOINTS
     from dspine.draft_vocab import resolve
 
@@ -61,6 +66,8 @@ def main() -> None:
     for name, spec in specs.items():
         prop = make_proposer("hybrid", DrafterProposer(drafter, linears=a.drafter_linears, vocab=vocab))
         configs[name] = Engine(t, prop, "dspine", verify_policy=make_policy("cost", t, prop), tree=spec)
+        if name.endswith("-always"):  # every drafting cycle a tree (before session 22)
+            configs[name].tree_gate = None
     labels = list(configs)
     prompts = heldout_ids(t, a.prompts)
 
@@ -84,6 +91,7 @@ def main() -> None:
         xs = [x for x in runs if x["config"] == label and x["prompt"].startswith(s)]
         return round(sum(x["tokens"] - 1 for x in xs) / sum((x["tokens"] - 1) / x["tau"] for x in xs), 3)
 
+    ref = "fixed8" if a.fixed8 else "chain"  # the configuration the others are paired with
     sizers = {lb: configs[lb].tree_sizer.describe() for lb in labels if getattr(configs[lb], "tree_sizer", None)}
     summary = {
         "machine": machine_info(), "machine_line": describe(), "threads": torch.get_num_threads(),
@@ -96,8 +104,10 @@ def main() -> None:
         "tau_pooled_chat": {lb: pooled_tau(lb, "chat") for lb in labels if lb != "ar"},
         "mean_nodes_per_tree_cycle": {lb: round(statistics.mean(x["tree_nodes_mean"] for x in runs
                                                                 if x["config"] == lb), 2) for lb in labels[2:]},
-        "ratios_median_min_max": {**{f"{lb} / fixed8": ratio(lb, "fixed8") for lb in labels if lb != "fixed8"},
-                                  **{f"{lb} / ar": ratio(lb, "ar") for lb in labels if lb != "ar"}},
+        "ratios_median_min_max": {**{f"{lb} / {ref}": ratio(lb, ref) for lb in labels if lb != ref},
+                                  **{f"{lb} / ar": ratio(lb, "ar") for lb in labels if lb not in ("ar", ref)}},
+        "tree_gates": {lb: configs[lb].tree_gate.describe() for lb in labels
+                       if getattr(configs[lb], "tree_gate", None) is not None},
         "sizer_calibration": sizers,
         "greedy_runs_equal_to_ar": equal, "runs": runs,
     }

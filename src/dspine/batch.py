@@ -494,6 +494,8 @@ class BatchEngine:
         for rec in recs:  # every request waited for the whole batched cycle: record its phases
             rec.draft_s, rec.final_s = draft_s, final_s
             rec.verify_s, rec.total_s = verify_s + own_verify_s, self.last_cycle.total_s
+        if len(recs) == 1 and len(reqs) == 1:  # the gate learns from lone cycles (their own time)
+            eng.observe_tree_gate(reqs[0])
         if bpol is not None:
             drafted = sum(1 for r, n in zip(reqs, ns) if n > 0 and bpol.drafts(r))
             bpol.observe(len(reqs), width - 1, self.last_cycle.total_s, drafted)
@@ -569,7 +571,7 @@ class BatchEngine:
             return out
         trim = eng.tree_sizer.trim if eng.tree_sizer is not None else None
         for i, (r, n) in enumerate(zip(reqs, ns)):
-            if n <= 0:
+            if n <= 0 or (eng.tree_gate is not None and not eng.tree_gate.choose(r.source)):
                 continue
             try:
                 p = eng.proposer.propose_tree(r.draft_state, r.anchor, self.kv.lengths[i], n, eng.tree,

@@ -212,6 +212,11 @@ class Engine:
         if self.tree.enabled and self.tree.size == "cost" and curve is not None:
             from .trees.sizer import TreeSizer
             self.tree_sizer = TreeSizer(curve.verify_s)
+        # ... and whether a drafting cycle drafts a tree or a chain, by their measured rates
+        self.tree_gate = None
+        if self.tree_sizer is not None:
+            from .trees.gate import TreeGate
+            self.tree_gate = TreeGate()
         # target feature layers the proposer reads; None (no capture) for ``ar`` and for
         # proposers without features (oracles in tests), which then get [n, 0] features
         fl = list(getattr(self.proposer, "feature_layers", None) or []) if self.proposer else []
@@ -302,11 +307,14 @@ class Engine:
         n = self._verification_length(req)
         pos = req.position
         prop = None
-        if n > 0 and self.tree.enabled and self.target.supports_tree(req.cache):
+        if n > 0 and self.tree.enabled and self.target.supports_tree(req.cache) \
+                and (self.tree_gate is None or self.tree_gate.choose(req.source)):
             prop = self.proposer.propose_tree(req.draft_state, req.anchor, pos, n, self.tree, req.sampling,
                                               req.gen, trim=self.tree_sizer.trim if self.tree_sizer else None)
         if prop is not None and prop.tree is not None:
-            return self._step_tree(req, prop, t0)
+            emitted = self._step_tree(req, prop, t0)
+            self.observe_tree_gate(req)
+            return emitted
         if n > 0:
             prop = self.proposer.propose(req.draft_state, req.anchor, pos, n, req.sampling, req.gen)
         else:
@@ -330,7 +338,15 @@ class Engine:
         keep = 1 + min(a, len(emitted) - 1)
         req.cache.rollback(pos + keep)
         self._commit_draft(req, prop, _features(out, keep), ids[0, :keep].tolist(), pos, n, a, source, t0, t1)
+        self.observe_tree_gate(req)
         return emitted
+
+    def observe_tree_gate(self, req: Request) -> None:
+        """Tell the tree gate (:class:`dspine.trees.gate.TreeGate`) how ``req``'s last cycle
+        went, when it drafted (a tree or a chain of its source)."""
+        c = req.cycles[-1] if req.cycles else None
+        if self.tree_gate is not None and c is not None and c.n > 0:
+            self.tree_gate.observe(c.source, c.tree_nodes > 0, c.emitted, c.total_s)
 
     def _commit_draft(self, req: Request, prop: Proposal, feats: torch.Tensor, tokens: list[int], pos: int,
                       n: int, a: int, source: str, t0: float, t1: float, tree_nodes: int = 0) -> None:
@@ -458,6 +474,8 @@ class Engine:
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
                 "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None,
                 "draft_tree": self.tree_info()}
+        if self.tree_gate is not None:  # trees or chains, as measured so far (trees/gate.py)
+            info["tree_gate"] = self.tree_gate.describe()
         info.update(prop)
         return info
 
