@@ -42,6 +42,17 @@ def add_target_runtime_args(p: argparse.ArgumentParser, default: str | None = "a
                         + ("; hf and hf-pld always run transformers' generate" if every_mode else ""))
 
 
+def add_target_weights_arg(p: argparse.ArgumentParser) -> None:
+    """``--target-weights`` of ``generate`` and ``serve`` (:mod:`dspine.runtime.weights`)."""
+    from .runtime.weights import TARGET_WEIGHTS
+
+    p.add_argument("--target-weights", default="as-is", choices=TARGET_WEIGHTS,
+                   help="as-is (default) | q8_0: round the target's linear layers to 8-bit Q8_0 blocks "
+                        "(opt-in, for targets not converted from a GGUF: they then run on the blockq "
+                        "kernels and the lean path); the output is then exactly that quantized target's "
+                        "(compare with --mode ar --target-weights q8_0), not the original weights'")
+
+
 def add_proposer_args(p: argparse.ArgumentParser) -> None:
     """``--proposer``, ``--ngram-max``, ``--ngram-min`` of ``generate`` and ``serve`` (``bench``
     and ``acceptance`` take ``--proposer`` alone and use the defaults of the other two)."""
@@ -73,7 +84,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                  progress: bool = False, persist: bool = False, linear_backend: str = "aten",
                  proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto",
                  tree=None, ngram_cache_tokens: int = 0, copy_bonus: float | None = None,
-                 drafter_linears: str = "auto", draft_vocab: str = "auto"):
+                 drafter_linears: str = "auto", draft_vocab: str = "auto", target_weights: str = "as-is"):
     """Load target + drafter for ``mode`` and return ``(target, engine)``.
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
@@ -96,7 +107,9 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     ``drafter_linears``: the drafter's own linears, ``auto`` (measured), ``float32`` or ``q8``
     (:mod:`dspine.tune.drafter`; the output stays the target's either way). ``draft_vocab``:
     ``auto`` (the checkpoint's ``draft_vocab.json`` when it has one), ``full`` or ``subset``
-    (:mod:`dspine.draft_vocab`). ``persist``: the cost policy starts from (and can save) the acceptance profile of
+    (:mod:`dspine.draft_vocab`). ``target_weights``: ``as-is`` or ``q8_0`` (the target's linears
+    rounded to Q8_0 blocks, :mod:`dspine.runtime.weights`; output then exact for that quantized
+    target). ``persist``: the cost policy starts from (and can save) the acceptance profile of
     earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
     runtime has not validated are refused
     before anything is loaded, and again against the loaded target/drafter
@@ -154,10 +167,15 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 
     if runtime not in ("auto", *RUNTIMES):
         raise EngineError(f"--runtime {runtime!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")
+    from .runtime.weights import TARGET_WEIGHTS, quantize_target
+
+    if target_weights not in TARGET_WEIGHTS:
+        raise EngineError(f"--target-weights {target_weights!r} is unknown; accepted: {', '.join(TARGET_WEIGHTS)}")
     target = load_target(target_name, dtype=dt, device=device)
 
     def set_up_target():  # after the guards' checks; the runtime first, so the backend is timed under it
         try:
+            quantize_target(target, target_weights)  # opt-in: the quantized target is then the reference
             apply_runtime(target, runtime)
         except ValueError as e:
             raise EngineError(str(e)) from None
@@ -240,7 +258,8 @@ def cmd_generate(args) -> int:
                                   linear_backend=args.linear_backend, proposer=args.proposer,
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime,
                                   tree=_tree_spec(args), copy_bonus=args.copy_bonus,
-                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab)
+                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab,
+                                  target_weights=args.target_weights)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -374,6 +393,7 @@ def add_generate_parser(sub) -> None:
                         "`dspine tune` shows the table) | int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's "
                         "blocks)")
     add_target_runtime_args(p)
+    add_target_weights_arg(p)
     add_tree_args(p, DEFAULT_TREE_BUDGET)
     p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's own choice, every core)")

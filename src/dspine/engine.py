@@ -469,6 +469,7 @@ class Engine:
         info = {"proposer": prop.get("proposer", "drafter") if self.proposer is not None else None,
                 "target_dtype": str(self.target.dtype).replace("torch.", ""),
                 "linear_backend": getattr(self.target, "linear_backend", "aten"),
+                "target_weights": getattr(self.target, "weights_format", "as-is"),
                 "target_runtime": getattr(self.target, "runtime_name", "hf"),
                 "decode_path": getattr(getattr(self.target, "runtime", None), "decode_path", "python"),
                 "device": str(self.target.device), "threads": torch.get_num_threads(),

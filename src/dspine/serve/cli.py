@@ -64,7 +64,7 @@ def cmd_serve(args) -> int:
                                   ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                   ngram_cache_tokens=args.ngram_cache_tokens, copy_bonus=args.copy_bonus,
                                   drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab,
-                                  tree=tree_spec_from_args(args))
+                                  tree=tree_spec_from_args(args), target_weights=args.target_weights)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
@@ -127,9 +127,10 @@ def add_serve_parser(sub) -> None:
                    help="cost (default: one verification length per batched cycle, priced at the number "
                         "of running requests; plain batched steps when drafting does not pay) | fixed "
                         "(verify the whole block)")
-    from ..cli import add_proposer_args, add_target_runtime_args
+    from ..cli import add_proposer_args, add_target_runtime_args, add_target_weights_arg
 
     add_target_runtime_args(p)
+    add_target_weights_arg(p)
     add_proposer_args(p)
     p.add_argument("--ngram-cache-tokens", type=nonneg_int, default=0,
                    help="copies may also come from earlier requests' outputs: keep up to N tokens of "
