@@ -22,7 +22,7 @@ from dspine.trees import TreeSpec
 from dspine.trees.gate import TreeGate
 from test_distribution import (ALPHA, N, N_NEG, PROMPT, SETTINGS, _verify_residual_is_p, chi2_pvalue,
                                exact_distribution, sample_counts, strong_bridge_drafter)
-from test_trees import _broken_no_residual
+from test_trees import _broken_no_residual, tiny_dense  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,14 +87,6 @@ def test_engine_with_the_gate_runs_both_kinds_and_greedy_equals_ar():
     fixed = Engine(t, random_proposer(t, "dspine", 8, seed=1), "dspine", verify_policy=_cost_policy(),
                    tree=TreeSpec(24, size="fixed"))
     assert fixed.tree_gate is None
-
-
-@pytest.fixture(scope="module")
-def tiny_dense():
-    t = load_target("random:llama", vocab_size=8, seed=0)
-    t.eos_token_ids = frozenset()
-    t.set_runtime("dense")
-    return t
 
 
 def _gated_engine(tiny_dense):
