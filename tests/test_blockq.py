@@ -162,7 +162,7 @@ def test_kernel_rows_follow_a_measurement(monkeypatch):
     for lin in model:
         lin.weight.data.copy_(q4_weight(lin.out_features, lin.in_features))
     B.pack_blocks(model, rows=B.MAX_ROWS)
-    assert B.choose_rows(model) in (4, B.MAX_ROWS, 1)
+    assert B.choose_rows(model) in (B.MAX_ROWS, 17, 4, 1)  # one of the measured sizes, or one-row steps
     assert len({m.rows for m in model.modules() if isinstance(m, B.BlockQLinear)}) == 1
 
     def slow_kernel(self, x):  # a kernel slower than the inner layer at every size: one-row steps only
