@@ -147,6 +147,30 @@ def test_machine_info_names_the_cpu():
     assert isa_class(("avx2", "avx512f", "amx_tile")) == "AMX"
 
 
+def test_isa_cap_hides_higher_flags_and_rekeys(monkeypatch):
+    from dspine.tune import machine
+
+    amx = ("amx_int8", "amx_tile", "avx2", "avx512_bf16", "avx512_vnni", "avx512f", "avx_vnni", "fma")
+    assert machine.capped_flags(amx, "avx2") == ("avx2", "fma")
+    assert isa_class(machine.capped_flags(amx, "avx2")) == "AVX2"
+    assert isa_class(machine.capped_flags(amx, "avx512")) == "AVX-512+VNNI+BF16"
+    assert machine.capped_flags(amx, "native") == amx
+    native_key = machine_key()
+    monkeypatch.setenv("DSPINE_CPU_ISA", "avx2")
+    machine._cpuinfo.cache_clear()
+    try:
+        assert machine.march() == "x86-64-v3" and machine_info()["isa_cap"] == "avx2"
+        assert not any(f.startswith(("avx512", "amx")) for f in machine_info()["flags"])
+        assert machine_key() != native_key  # measurements made uncapped are not reused
+        monkeypatch.setenv("DSPINE_CPU_ISA", "sse9")
+        with pytest.raises(ValueError, match="DSPINE_CPU_ISA"):
+            machine.isa_cap()
+    finally:
+        monkeypatch.delenv("DSPINE_CPU_ISA")
+        machine._cpuinfo.cache_clear()
+    assert machine.march() == "native" and machine_key() == native_key
+
+
 # -- the candidate pass -----------------------------------------------------------------------
 
 def test_candidate_pass_dispatches_by_row_bucket(tiny256):

@@ -11,8 +11,8 @@ products and sums; only the order of the sums differs from PyTorch's GEMV, as be
 two linear backends), decoded with fewer bytes per token.
 
 The kernels are compiled once per machine with ``torch.utils.cpp_extension`` (a C++
-compiler and ninja; ``-march=native``) into ``$DSPINE_HOME/kernels``; where that fails
-the backend is simply not offered (:func:`kernels`, :func:`unavailable_reason`).
+compiler and ninja; ``-march=native``, or the level ``DSPINE_CPU_ISA`` caps it to) into
+``$DSPINE_HOME/kernels``; where that fails the backend is simply not offered (:func:`kernels`, :func:`unavailable_reason`).
 Inputs of up to a measured row limit (:func:`choose_rows`; at most :data:`MAX_ROWS`: a
 decode step, a verification) take the kernels, which sum every dot product in one order
 whatever the number of rows (row r of a verification is bitwise row r alone); longer ones
@@ -41,13 +41,13 @@ def source_version() -> str:
 
 
 def _build_key() -> str:
-    from ..tune.machine import machine_key
+    from ..tune.machine import machine_key, march
 
     h = hashlib.sha256(_SOURCE.read_bytes())
     # the build files name this torch's include/lib paths: one folder per torch install, so two
     # environments sharing $DSPINE_HOME do not rebuild each other's kernels
     h.update(f"{torch.__version__}|{Path(torch.__file__).resolve().parent}|{sys.version_info[:2]}|"
-             f"{machine_key()}".encode())
+             f"{machine_key()}|{march()}".encode())
     return h.hexdigest()[:12]
 
 
@@ -78,9 +78,10 @@ def kernels(progress: bool = True):
               "~40 s-1 min)", file=sys.stderr, flush=True)
     try:
         from torch.utils.cpp_extension import load
+        from ..tune.machine import march
 
         mod = load(name=f"dspine_blockq_{key}", sources=[str(_SOURCE)], build_directory=str(build),
-                   extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                   extra_cflags=["-O3", f"-march={march()}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         _STATE["mod"], _STATE["why"] = mod, None
     except Exception as e:  # no compiler, no ninja, headers missing: the backend is not offered
         _STATE["mod"], _STATE["why"] = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"

@@ -16,6 +16,40 @@ import torch
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
              "amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "asimd", "sve", "i8mm", "bf16")
 
+#: ``DSPINE_CPU_ISA`` values: the highest instruction set dspine's kernels may use here
+#: (``native``: all the CPU has). A cap builds the blockq kernels for that level
+#: (``-march``), hides the higher flags from the tune cache's key and from ``isa_class``,
+#: and (set in :mod:`dspine` before torch is imported) caps PyTorch's and oneDNN's own
+#: kernels the same way, so one machine can run, tune and measure as a CPU of a lower class
+#: would (e.g. an AVX2-only CPU on an AVX-512 one), or build kernels that also run on
+#: older machines of a cluster. It emulates the instruction set, not the micro-architecture.
+ISA_CAPS = {"native": None, "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
+_CAP_DROPS = {"avx2": ("avx512", "amx"), "avx512": ("amx",)}
+
+
+def isa_cap() -> str:
+    """The ``DSPINE_CPU_ISA`` setting (``native`` when unset).
+
+    Raises:
+        ValueError: a value other than those of :data:`ISA_CAPS` (naming the variable).
+    """
+    cap = os.environ.get("DSPINE_CPU_ISA", "").strip().lower() or "native"
+    if cap not in ISA_CAPS:
+        raise ValueError(f"DSPINE_CPU_ISA={os.environ.get('DSPINE_CPU_ISA')!r}: use one of {', '.join(ISA_CAPS)}")
+    return cap
+
+
+def march() -> str:
+    """The ``-march`` the C++ kernels are built with: ``native``, or the x86-64 level of the
+    ``DSPINE_CPU_ISA`` cap (``x86-64-v3`` = AVX2+FMA, ``x86-64-v4`` = AVX-512 F/BW/CD/DQ/VL)."""
+    return ISA_CAPS[isa_cap()] or "native"
+
+
+def capped_flags(flags: tuple[str, ...], cap: str) -> tuple[str, ...]:
+    """``flags`` without those above ``cap`` (a :data:`ISA_CAPS` key)."""
+    drops = _CAP_DROPS.get(cap, ())
+    return tuple(f for f in flags if not f.startswith(drops) and not (cap == "avx2" and f == "avx_vnni"))
+
 
 @lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, tuple[str, ...]]:
@@ -32,7 +66,7 @@ def _cpuinfo() -> tuple[str, tuple[str, ...]]:
                     flags = set(v.split())
     except OSError:
         pass
-    return model, tuple(sorted(f for f in ISA_FLAGS if f in flags))
+    return model, capped_flags(tuple(sorted(f for f in ISA_FLAGS if f in flags)), isa_cap())
 
 
 def isa_class(flags: tuple[str, ...] | None = None) -> str:
@@ -56,6 +90,8 @@ def machine_info(device: str | torch.device = "cpu") -> dict:
             "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "device": str(device)}
+    if isa_cap() != "native":
+        info["isa_cap"] = isa_cap()
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
@@ -72,7 +108,8 @@ def describe(device: str | torch.device = "cpu") -> str:
     """One line naming the machine, e.g. ``AMD EPYC (AVX2), 2 threads, torch 2.13.0+cpu``."""
     i = machine_info(device)
     gpu = f", {i['gpu']}" if "gpu" in i else ""
-    return f"{i['cpu_model']} ({i['isa']}), {i['threads']} threads, torch {i['torch']}{gpu}"
+    cap = f" capped by DSPINE_CPU_ISA={i['isa_cap']}" if "isa_cap" in i else ""
+    return f"{i['cpu_model']} ({i['isa']}{cap}), {i['threads']} threads, torch {i['torch']}{gpu}"
 
 
 def others_cpu_load(interval_s: float = 0.3) -> float | None:
