@@ -241,3 +241,22 @@ def check_edit(text: str, meta: dict, timeout_s: float = 10.0) -> dict:
     if f"def {meta['entry_point']}" not in code:
         return {"result": "failed", "error": f"no `def {meta['entry_point']}` in the answer"}
     return run_humaneval("", code, meta["test"], meta["entry_point"], timeout_s, stop=[])
+
+
+_YAML_BLOCK = re.compile(r"```(?:yaml|yml)?[ \t]*\n(.*?)(?:```|$)", re.S)
+
+
+def check_convert(text: str, meta: dict) -> dict:
+    """The ``convert`` workload's check: the first code block of the answer (or the whole
+    answer without one) must load as YAML (``yaml.safe_load``) to the prompt's JSON
+    document. Returns ``{"result": "equal" | "different" | "invalid", "error": str | None}``."""
+    import yaml
+
+    m = _YAML_BLOCK.search(text)
+    try:
+        got = yaml.safe_load(m.group(1) if m else text)
+    except yaml.YAMLError as e:
+        return {"result": "invalid", "error": str(e).splitlines()[0][:200]}
+    if got == meta["document"]:
+        return {"result": "equal", "error": None}
+    return {"result": "different", "error": None}

@@ -213,7 +213,7 @@ def environment(target, cfg: BenchConfig) -> dict:
 
 # -- the run ------------------------------------------------------------------------------------
 def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
-    from .checks import check_edit, check_multifile, check_tool_call, run_humaneval
+    from .checks import check_convert, check_edit, check_multifile, check_tool_call, run_humaneval
 
     if prompt.workload == "code":
         m = prompt.meta
@@ -226,6 +226,9 @@ def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
         return {"check": check_multifile(text, prompt.meta)["result"], "check_error": None}
     if prompt.workload == "edit":
         r = check_edit(text, prompt.meta, cfg.code_timeout_s)
+        return {"check": r["result"], "check_error": r["error"]}
+    if prompt.workload == "convert":
+        r = check_convert(text, prompt.meta)
         return {"check": r["result"], "check_error": r["error"]}
     return {}
 

@@ -163,6 +163,8 @@ def _group_stats(rows: list[dict], ar_rows: dict, overhead: float | None,
         elif wl == "tools":
             g["valid_call_rate"] = counts.get("valid", 0) / len(rows)
             g["tool_failures"] = len(rows) - counts.get("valid", 0)
+        elif wl == "convert":
+            g["equal_rate"] = counts.get("equal", 0) / len(rows)
         elif wl == "multifile":
             checked = sum(v for k, v in counts.items() if k != "unchecked")
             g["answer_rate"] = counts.get("correct", 0) / checked if checked else None

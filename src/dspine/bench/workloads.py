@@ -22,6 +22,10 @@ Workloads (``name``: source, default output budget):
   solution (every 4th task from the third: 41, none of them in ``code``), to be returned
   with type hints and otherwise unchanged, chat template, 320 new tokens; the function
   in the answer's code block must still pass the task's tests.
+* ``convert``: a format conversion (copy-heavy, issue 20): one BFCL function schema
+  (JSON, indented) to be rewritten as YAML (4 per category from the second row on: 16,
+  none of them in ``tools``), chat template, 384 new tokens; the answer's YAML must load to
+  the same document.
 
 Prompts are tokenized with the target at run time (:func:`build_prompts`), so every
 mode of a run gets the same token ids.
@@ -37,7 +41,7 @@ from pathlib import Path
 
 WORKLOADS_PATH = Path(__file__).with_name("workloads.json")
 SET_FORMAT = "dspine-bench-workloads/1"
-WORKLOAD_NAMES = ("short", "long", "code", "multifile", "tools", "edit")
+WORKLOAD_NAMES = ("short", "long", "code", "multifile", "tools", "edit", "convert")
 # Codex / HumanEval stop sequences (a new top-level statement ends the completion).
 HUMANEVAL_STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 WARMUP_PROMPT = "Say hello in five words."
@@ -51,6 +55,8 @@ MULTIFILE_FILE = "### File: {name}\n```python\n{text}\n```\n\n"
 MULTIFILE_QUESTION = ("Question: in which of these files is `{symbol}` defined, and what does it "
                       "do? Start your answer with the file name.")
 MULTIFILE_SUMMARY = "Question: summarize in a few sentences what each of these files does."
+CONVERT_INSTRUCTION = ("Convert this JSON document to YAML. Reply with only the YAML in one ```yaml "
+                       "code block.\n\n```json\n{document}\n```")
 EDIT_INSTRUCTION = ("Add type hints to this Python function. Reply with the whole function in one "
                     "```python code block, otherwise unchanged.\n\n```python\n{code}```")
 
@@ -140,6 +146,25 @@ def _select_tools(per_category: int = 4) -> list[str]:
     return out
 
 
+def _select_convert(per_category: int = 4) -> list[str]:
+    """BFCL rows of the tools categories from the second row on (the ``tools`` ids are
+    every ``step``-th row from the first, so the two sets share no row)."""
+    from ..data.sources import BFCL_DEFAULT, load_bfcl
+
+    tools = set(_select_tools())
+    out = []
+    for cat in BFCL_DEFAULT:
+        rows = [r["id"] for r in load_bfcl([cat])]
+        step = max(2, len(rows) // per_category)
+        out += [i for i in rows[1::step] if i not in tools][:per_category]
+    return out
+
+
+def convert_document(row: dict) -> dict:
+    """The JSON document a ``convert`` prompt asks to rewrite: the row's first function schema."""
+    return row["functions"][0]
+
+
 def workload_set() -> dict:
     """The workload set the rules produce (what ``workloads.json`` holds)."""
     short, long = _select_short_long()
@@ -160,6 +185,8 @@ def workload_set() -> dict:
                       "ids": _select_tools()},
             "edit": {"version": 1, "source": "humaneval", "template": "chat", "max_new_tokens": 320,
                      "ids": _select_edit()},
+            "convert": {"version": 1, "source": "bfcl", "template": "chat", "max_new_tokens": 384,
+                        "ids": _select_convert()},
         },
     }
 
@@ -348,6 +375,13 @@ def build_prompts(target, names: list[str], limit: int | None = None, context_to
                 code = r["prompt"] + r["canonical_solution"]
                 ids = _encode_chat(target, [{"role": "user", "content": EDIT_INSTRUCTION.format(code=code)}])
                 made.append(BenchPrompt(name, rid, ids, mnt, [], {"test": r["test"], "entry_point": r["entry_point"]}))
+        elif name == "convert":
+            rows = {r["id"]: r for r in load_bfcl()}
+            for rid in ids_wanted:
+                doc = convert_document(rows[rid])
+                text = CONVERT_INSTRUCTION.format(document=json.dumps(doc, indent=2, ensure_ascii=False))
+                ids = _encode_chat(target, [{"role": "user", "content": text}])
+                made.append(BenchPrompt(name, rid, ids, mnt, [], {"document": doc}))
         for p in made:
             if len(p.prompt_ids) > budget:
                 skipped.append({"workload": name, "id": p.id,
