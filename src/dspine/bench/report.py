@@ -421,7 +421,8 @@ def make_plots(summary: dict, out_dir: Path) -> list[str]:
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_ylabel("speedup over ar (tok/s, median, min–max)")
         ax.set_title(f"speedup ({s})")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run without `ar` has no speedup bars
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "speedup.png", dpi=100)
     plt.close(fig)
