@@ -148,27 +148,66 @@ def test_machine_info_names_the_cpu():
 
 
 def test_isa_cap_hides_higher_flags_and_rekeys(monkeypatch):
+    """DSPINE_CPU_ISA caps flags, -march and the tune key, and refuses a level above the
+    CPU's (kernels built for it would die of an illegal instruction). The CPU is injected,
+    so the test does not depend on this machine's instruction set."""
     from dspine.tune import machine
 
-    amx = ("amx_int8", "amx_tile", "avx2", "avx512_bf16", "avx512_vnni", "avx512f", "avx_vnni", "fma")
+    amx = ("amx_int8", "amx_tile", "avx2", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512f", "avx_vnni", "fma")
     assert machine.capped_flags(amx, "avx2") == ("avx2", "fma")
     assert isa_class(machine.capped_flags(amx, "avx2")) == "AVX2"
     assert isa_class(machine.capped_flags(amx, "avx512")) == "AVX-512+VNNI+BF16"
     assert machine.capped_flags(amx, "native") == amx
-    native_key = machine_key()
-    monkeypatch.setenv("DSPINE_CPU_ISA", "avx2")
-    machine._cpuinfo.cache_clear()
+
+    def cpu(flags):
+        monkeypatch.setattr(machine, "_raw_cpuinfo", lambda: ("Test CPU", frozenset(flags)))
+        machine._cpuinfo.cache_clear()
+
+    monkeypatch.delenv("DSPINE_CPU_ISA", raising=False)
     try:
+        cpu(amx)
+        native_key = machine_key()
+        assert machine.march() == "native" and machine_info()["isa"] == "AMX" and "isa_cap" not in machine_info()
+        monkeypatch.setenv("DSPINE_CPU_ISA", "avx2")
+        machine._cpuinfo.cache_clear()
         assert machine.march() == "x86-64-v3" and machine_info()["isa_cap"] == "avx2"
+        assert machine_info()["isa"] == "AVX2"
         assert not any(f.startswith(("avx512", "amx")) for f in machine_info()["flags"])
         assert machine_key() != native_key  # measurements made uncapped are not reused
         monkeypatch.setenv("DSPINE_CPU_ISA", "sse9")
         with pytest.raises(ValueError, match="DSPINE_CPU_ISA"):
             machine.isa_cap()
+        cpu(("avx2", "fma"))  # an AVX2-only CPU: avx512 is above it, avx2 is not
+        monkeypatch.setenv("DSPINE_CPU_ISA", "avx512")
+        with pytest.raises(ValueError, match="DSPINE_CPU_ISA=avx512: this CPU lacks avx512f, avx512bw"):
+            machine.march()
+        monkeypatch.setenv("DSPINE_CPU_ISA", "AVX2")
+        assert machine.march() == "x86-64-v3"
+        cpu(("asimd", "sve"))  # not x86-64: no cap applies
+        with pytest.raises(ValueError, match="lacks avx2, fma"):
+            machine.isa_cap()
+        monkeypatch.delenv("DSPINE_CPU_ISA")
+        assert machine.march() == "native"
+    finally:
+        monkeypatch.undo()
+        machine._cpuinfo.cache_clear()
+    assert "isa_cap" not in machine_info()
+
+
+def test_isa_cap_error_is_a_clean_cli_error(monkeypatch, capsys):
+    """A bad DSPINE_CPU_ISA ends a command with exit 2 and one line naming the variable."""
+    from dspine.cli import main
+    from dspine.tune import machine
+
+    monkeypatch.setenv("DSPINE_CPU_ISA", "sse9")
+    machine._cpuinfo.cache_clear()
+    try:
+        assert main(["tune", "--target", "random:llama", "--json"]) == 2
     finally:
         monkeypatch.delenv("DSPINE_CPU_ISA")
         machine._cpuinfo.cache_clear()
-    assert machine.march() == "native" and machine_key() == native_key
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dspine: error: DSPINE_CPU_ISA='sse9': use one of native, avx2, avx512")
 
 
 # -- the candidate pass -----------------------------------------------------------------------

@@ -25,17 +25,25 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
 #: older machines of a cluster. It emulates the instruction set, not the micro-architecture.
 ISA_CAPS = {"native": None, "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
 _CAP_DROPS = {"avx2": ("avx512", "amx"), "avx512": ("amx",)}
+#: CPU flags a cap's ``-march`` level needs (x86-64-v3: AVX2 + FMA; v4: AVX-512 F + BW).
+_CAP_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw")}
 
 
 def isa_cap() -> str:
     """The ``DSPINE_CPU_ISA`` setting (``native`` when unset).
 
     Raises:
-        ValueError: a value other than those of :data:`ISA_CAPS` (naming the variable).
+        ValueError: a value other than those of :data:`ISA_CAPS`, or a level this CPU does
+            not reach (e.g. ``avx512`` on an AVX2-only CPU, any cap off x86-64); the message
+            names the variable.
     """
     cap = os.environ.get("DSPINE_CPU_ISA", "").strip().lower() or "native"
     if cap not in ISA_CAPS:
         raise ValueError(f"DSPINE_CPU_ISA={os.environ.get('DSPINE_CPU_ISA')!r}: use one of {', '.join(ISA_CAPS)}")
+    missing = [f for f in _CAP_NEEDS.get(cap, ()) if f not in _raw_cpuinfo()[1]]
+    if missing:  # kernels built for a level above the CPU's would die of an illegal instruction
+        raise ValueError(f"DSPINE_CPU_ISA={cap}: this CPU lacks {', '.join(missing)}; the setting can only "
+                         f"lower the instruction set (use native or a lower level)")
     return cap
 
 
@@ -53,7 +61,15 @@ def capped_flags(flags: tuple[str, ...], cap: str) -> tuple[str, ...]:
 
 @lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, tuple[str, ...]]:
-    """(model name, sorted ISA flags of :data:`ISA_FLAGS` present) from /proc/cpuinfo."""
+    """(model name, sorted ISA flags of :data:`ISA_FLAGS` present, less those above the
+    ``DSPINE_CPU_ISA`` cap)."""
+    model, flags = _raw_cpuinfo()
+    return model, capped_flags(tuple(sorted(f for f in ISA_FLAGS if f in flags)), isa_cap())
+
+
+@lru_cache(maxsize=1)
+def _raw_cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, every CPU flag) from /proc/cpuinfo (empty flags where it cannot be read)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -66,7 +82,7 @@ def _cpuinfo() -> tuple[str, tuple[str, ...]]:
                     flags = set(v.split())
     except OSError:
         pass
-    return model, capped_flags(tuple(sorted(f for f in ISA_FLAGS if f in flags)), isa_cap())
+    return model, frozenset(flags)
 
 
 def isa_class(flags: tuple[str, ...] | None = None) -> str:
