@@ -420,6 +420,32 @@ def test_verify_policy_reaches_the_drafter_modes(tmp_path, one_thread):
     assert ar_ids == sp_ids  # still lossless with the dynamic verification length
 
 
+def test_drafter_modes_run_as_generate_builds_them(tiny_target, one_thread):
+    """The bench's drafter modes get generate's engine: the cost policy and the draft tree
+    are given when the engine is built, so a tree sized by the cost curve and the tree gate
+    exist (assigned afterwards, as before session 25, both were silently off), and the
+    drafter settings reach the drafter and the mode's info."""
+    from dspine.bench.runners import make_runner
+    from dspine.trees.tree import TreeSpec
+
+    tree = TreeSpec(16, None, size="cost")
+    r = make_runner(tiny_target, "dspine", {"dspine": "random"}, 4, 0, 10, "cost", "hybrid", tree=tree,
+                    drafter_linears="float32", draft_vocab="full", head_kernel="exact")
+    assert r.engine.tree_sizer is not None and r.engine.tree_gate is not None
+    info = r.info()
+    assert info["verify_policy"] == "cost" and info["drafter_linears"] == "float32"
+    assert info["draft_vocab"] == tiny_target.vocab_size and info["head_kernel"] == "exact"
+    assert info["drafter_forward"] in ("lean", "pytorch") and "candidate_pass" in info
+    fixed = make_runner(tiny_target, "dspine", {"dspine": "random"}, 4, 0, 10, "fixed", "hybrid", tree=tree)
+    assert fixed.engine.tree_sizer is None and fixed.engine.tree_gate is None  # no cost curve: fixed size
+
+
+def test_bad_drafter_setting_is_a_clean_error(capsys):
+    assert main(["bench", "--target", "random:llama", "--drafter", "random", "--modes", "ar,dspine",
+                 "--head-kernel", "turbo", "--limit", "1", "--settings", "greedy", "--no-progress"]) == 2
+    assert "--head-kernel" in capsys.readouterr().err
+
+
 def test_git_dirty_ignores_the_runs_own_out_dir(tmp_path):
     """A rerun replaces the committed results in --out; only other changes make the
     report's build line say "(dirty)"."""

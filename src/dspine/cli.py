@@ -120,7 +120,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     """
     import torch
 
-    from .draft import DrafterProposer, load_drafter, random_drafter
+    from .draft import load_drafter, random_drafter
     from .engine import MODES, Engine, EngineError
     from .guards import resolve_device, validate_runtime
     from .policy import make_policy
@@ -130,7 +130,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 
     if mode not in MODES:
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
-    from .draft_vocab import CHOICES as VOCAB_CHOICES, DraftVocabError, resolve as resolve_vocab
+    from .draft_vocab import CHOICES as VOCAB_CHOICES
 
     if draft_vocab not in VOCAB_CHOICES:
         raise EngineError(f"--draft-vocab {draft_vocab!r} is unknown; accepted: {', '.join(VOCAB_CHOICES)}")
@@ -209,30 +209,40 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                               f"(trained as {model.cfg.mode})")
     validate_runtime(target, model.cfg, block_size=block_size, **guard)
     set_up_target()
-    with torch.no_grad():
-        try:
-            vocab = resolve_vocab(draft_vocab, None if drafter == "random" else drafter, model.cfg.vocab_size,
-                                  model.cfg.head_topk)
-            drafting = DrafterProposer(model, head_kernel=head_kernel, linears=drafter_linears, vocab=vocab)
-        except (DraftVocabError, ValueError) as e:
-            raise EngineError(str(e)) from None
-        prop = make_proposer(proposer, drafting,
-                             ngram_max=ngram_max, ngram_min=ngram_min, cache_tokens=ngram_cache_tokens,
-                             copy_bonus=copy_bonus)
-        policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop,
-                                                                   progress=progress, persist=persist)
-        return target, Engine(target, prop, mode, verify_policy=policy, tree=tree)
+    from .engine_setup import drafter_engine
+
+    return target, drafter_engine(target, model, drafter, mode, proposer=proposer, verify_policy=verify_policy,
+                                  tree=tree, head_kernel=head_kernel, drafter_linears=drafter_linears,
+                                  draft_vocab=draft_vocab, ngram_max=ngram_max, ngram_min=ngram_min,
+                                  ngram_cache_tokens=ngram_cache_tokens, copy_bonus=copy_bonus,
+                                  progress=progress, persist=persist)
 
 
-def add_draft_vocab_arg(p) -> None:
-    """``--draft-vocab`` (generate, serve, acceptance; :mod:`dspine.draft_vocab`)."""
+def add_draft_vocab_arg(p, default: str | None = "auto") -> None:
+    """``--draft-vocab`` (generate, serve, bench, acceptance; :mod:`dspine.draft_vocab`);
+    ``default`` None lets the caller fill in its config's default (bench)."""
     from .draft_vocab import CHOICES
 
-    p.add_argument("--draft-vocab", default="auto", choices=CHOICES,
+    p.add_argument("--draft-vocab", default=default, choices=CHOICES,
                    help="tokens the drafter's candidate pass scores: auto (the checkpoint's draft_vocab.json, "
                         "the ids it was trained on, when it has one; else all) | full (the whole vocabulary) | "
                         "subset (the checkpoint's; an error without one). Proposals only: the output is the "
                         "target's either way")
+
+
+def add_drafter_kernel_args(p, default: str | None = "auto") -> None:
+    """``--drafter-linears``, ``--draft-vocab`` and ``--head-kernel``: how the drafter runs
+    (generate, serve, bench; :mod:`dspine.tune.drafter`, :mod:`dspine.draft_vocab`,
+    :mod:`dspine.tune.head`). None as ``default``: the caller's config fills it in."""
+    p.add_argument("--drafter-linears", default=default, choices=("auto", "float32", "q8"),
+                   help="the drafter's own linear layers: auto (the default: measured on this machine, cached) | "
+                        "float32 (as trained) | q8 (a copy rounded to Q8_0 blocks on the blockq kernels; the "
+                        "drafter only proposes, so the output is the target's either way)")
+    add_draft_vocab_arg(p, default)
+    p.add_argument("--head-kernel", default=default,
+                   help="the drafter's candidate-pass kernel: auto (the default: measured on this machine, cached; "
+                        "`dspine tune` shows the table) | int8 | bfloat16 | exact | blockq (exact scores on a GGUF "
+                        "head's blocks)")
 
 
 def _tree_spec(args):
@@ -383,15 +393,7 @@ def add_generate_parser(sub) -> None:
                         "plain target steps when drafting does not pay on this machine; non-anticipating, "
                         "so sampling stays exact) | fixed (verify the whole block every cycle)")
     add_proposer_args(p)
-    p.add_argument("--drafter-linears", default="auto", choices=("auto", "float32", "q8"),
-                   help="the drafter's own linear layers: auto (measured on this machine, cached) | float32 (as "
-                        "trained) | q8 (a copy rounded to Q8_0 blocks on the blockq kernels; the drafter only "
-                        "proposes, so the output is the target's either way)")
-    add_draft_vocab_arg(p)
-    p.add_argument("--head-kernel", default="auto",
-                   help="the drafter's candidate-pass kernel: auto (measured on this machine, cached; "
-                        "`dspine tune` shows the table) | int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's "
-                        "blocks)")
+    add_drafter_kernel_args(p)
     add_target_runtime_args(p)
     add_target_weights_arg(p)
     add_tree_args(p, DEFAULT_TREE_BUDGET)

@@ -66,6 +66,7 @@ def config_from_args(args) -> BenchConfig:
         block_size=args.block_size, pld_tokens=args.pld_tokens, verify_policy=args.verify_policy,
         linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
         tree_budget=args.tree_budget, tree_shape=args.tree_shape, tree_size=args.tree_size,
+        drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab, head_kernel=args.head_kernel,
         workloads=tuple(parse_workloads(args.workloads)) if args.workloads else None,
         limit=args.limit, max_new_tokens=args.max_new_tokens, context_tokens=args.context_tokens,
         settings=_settings(args) if args.settings else None, repeats=args.repeats, warmup=args.warmup,
@@ -137,6 +138,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tree-size", choices=list(TREE_SIZES), default=None,
                    help=f"fixed | cost: the verified prefix of best-first trees chosen per cycle "
                         f"(default {DEFAULT_TREE_SIZE}, as generate)")
+    from ..cli import add_drafter_kernel_args
+
+    add_drafter_kernel_args(p, default=None)  # default: BenchConfig's, as generate ("auto")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
     p.add_argument("--pld-tokens", type=positive_int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
     p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools,edit or all (default all)")

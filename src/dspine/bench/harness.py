@@ -73,6 +73,11 @@ class BenchConfig:
     tree_budget: int = DEFAULT_TREE_BUDGET  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains
     tree_shape: str = "dynamic"  # dynamic | widths per depth such as 4,2,1
     tree_size: str = DEFAULT_TREE_SIZE  # fixed | cost (dspine.trees.sizer)
+    # how the drafter modes' drafter runs, as generate's defaults (dspine.tune.drafter,
+    # dspine.draft_vocab, dspine.tune.head): the speed of what users run
+    drafter_linears: str = "auto"  # auto | float32 | q8
+    draft_vocab: str = "auto"  # auto | full | subset
+    head_kernel: str = "auto"  # auto | int8 | bfloat16 | exact | blockq
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     limit: int | None = None
     max_new_tokens: int | None = None
@@ -311,7 +316,9 @@ class Harness:
                                                      threads=torch.get_num_threads(), ctx=cfg.context_tokens)
                 else:
                     self.runners[m] = make_runner(self.target, m, self.drafters, cfg.block_size, cfg.seed,
-                                                  cfg.pld_tokens, cfg.verify_policy, cfg.proposer, tree=tree)
+                                                  cfg.pld_tokens, cfg.verify_policy, cfg.proposer, tree=tree,
+                                                  drafter_linears=cfg.drafter_linears,
+                                                  draft_vocab=cfg.draft_vocab, head_kernel=cfg.head_kernel)
             self.check_setup()
         except BaseException:
             self.close()

@@ -159,10 +159,23 @@ class EngineRunner(Runner):
     """
 
     def __init__(self, target, mode: str, drafter: str | None = None, block_size: int | None = None,
-                 seed: int = 0, threads: int | None = None, proposer: str = "drafter"):
+                 seed: int = 0, threads: int | None = None, proposer: str = "drafter",
+                 verify_policy: str = "fixed", tree=None, drafter_linears: str = "auto",
+                 draft_vocab: str = "auto", head_kernel: str = "auto"):
+        """``verify_policy`` / ``tree`` / ``drafter_linears`` / ``draft_vocab`` /
+        ``head_kernel``: as ``dspine generate``'s settings of the same names, given to the
+        engine when it is built (a tree sized by the cost curve and the tree gate need the
+        policy then), so the bench times what ``generate`` runs.
+
+        Raises:
+            EngineError: no drafter for a drafter mode, a checkpoint of the other mode, or a
+                drafter setting that cannot run here (naming the setting).
+        """
         super().__init__(target, threads)
-        from ..draft import DrafterProposer, load_drafter, random_drafter, read_card
+        from ..draft import load_drafter, random_drafter, read_card
         from ..engine import Engine, EngineError
+        from ..engine_setup import drafter_engine
+        from ..policy import make_policy
         from ..proposers import make_proposer
 
         self.mode = mode
@@ -173,8 +186,10 @@ class EngineRunner(Runner):
             self.block_size = 1
             return
         if mode == "ngram":  # copies of the request's own text, no drafter (ours, beside hf-pld)
-            self.engine = Engine(target, make_proposer("ngram", None, block_size=16 if block_size is None else block_size),
-                                 "ngram")
+            prop = make_proposer("ngram", None, block_size=16 if block_size is None else block_size)
+            with torch.no_grad():
+                policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop, progress=True)
+                self.engine = Engine(target, prop, "ngram", verify_policy=policy)
             self.block_size = self.engine.proposer.block_size
             return
         if drafter is None:
@@ -196,8 +211,13 @@ class EngineRunner(Runner):
                 self.drafter_sha256 = sha256_file(w)[:16]
         self.block_size = model.cfg.block_size
         self.drafter_cfg = model.cfg
-        with torch.no_grad():
-            self.engine = Engine(target, make_proposer(proposer, DrafterProposer(model)), mode)
+        self.engine = drafter_engine(target, model, drafter, mode, proposer=proposer, verify_policy=verify_policy,
+                                     tree=tree, head_kernel=head_kernel, drafter_linears=drafter_linears,
+                                     draft_vocab=draft_vocab, progress=True)
+        drafting = getattr(self.engine.proposer, "drafter_proposer", self.engine.proposer)
+        # what ran, as generate's --json stats.kernels says it: candidate pass per row count,
+        # drafter linears and forward, draft vocabulary size; and the --head-kernel setting
+        self.drafter_kernels = {**drafting.kernel_info(), "head_kernel": head_kernel}
 
     def info(self) -> dict:
         d = {"mode": self.mode, "block_size": self.block_size, "drafter": self.drafter_path,
@@ -210,6 +230,7 @@ class EngineRunner(Runner):
             d["drafter_steps"] = steps if steps is not None else self.card.get("steps")
         if self.mode not in ("ar", "ngram"):
             c = self.drafter_cfg
+            d.update(self.drafter_kernels)
             d.update(drafter_dtype=str(next(self.engine.proposer.drafter.parameters()).dtype).replace("torch.", ""),
                      bridge=c.bridge, final_stage=c.final_stage, block_causal=c.block_causal,
                      drafter_target=c.target_name, card=self.card)
@@ -433,18 +454,17 @@ class HFRunner(Runner):
 
 
 def make_runner(target, mode: str, drafters: dict, block_size: int | None, seed: int,
-                pld_tokens: int, verify_policy: str = "fixed", proposer: str = "drafter", tree=None) -> Runner:
+                pld_tokens: int, verify_policy: str = "fixed", proposer: str = "drafter", tree=None,
+                drafter_linears: str = "auto", draft_vocab: str = "auto", head_kernel: str = "auto") -> Runner:
     """The runner of ``mode`` over ``target`` (drafters: mode -> path | 'random';
     ``proposer``: what the drafter modes propose with, :data:`dspine.proposers.PROPOSERS`;
-    ``tree``: the drafter modes' :class:`dspine.trees.TreeSpec`)."""
+    ``tree``: the drafter modes' :class:`dspine.trees.TreeSpec`; ``drafter_linears`` /
+    ``draft_vocab`` / ``head_kernel``: how their drafter runs, as in :class:`EngineRunner`)."""
     if mode in ENGINE_MODES:
-        r = EngineRunner(target, mode, drafters.get(mode), block_size, seed, proposer=proposer)
-        if tree is not None and mode not in ("ar", "ngram"):
-            r.engine.tree = tree
-        if mode != "ar" and verify_policy != "fixed":
-            from ..policy import make_policy
-
-            r.engine.verify_policy = make_policy(verify_policy, target, r.engine.proposer, progress=True)
+        r = EngineRunner(target, mode, drafters.get(mode), block_size, seed, proposer=proposer,
+                         verify_policy=verify_policy if mode != "ar" else "fixed",
+                         tree=tree if mode not in ("ar", "ngram") else None, drafter_linears=drafter_linears,
+                         draft_vocab=draft_vocab, head_kernel=head_kernel)
         r.verify_policy = verify_policy if mode != "ar" else "fixed"
         return r
     if mode in HF_MODES:

@@ -142,18 +142,12 @@ def add_serve_parser(sub) -> None:
                    help="who shares those outputs: key (the default: requests with the same "
                         "Authorization header; requests without one share the tenant 'anonymous') | "
                         "global (every request: only when all clients may see each other's outputs)")
-    p.add_argument("--drafter-linears", default="auto", choices=("auto", "float32", "q8"),
-                   help="the drafter's own linear layers: auto (measured, cached) | float32 | q8 (Q8_0 blocks; "
-                        "the output is the target's either way)")
-    from ..cli import add_draft_vocab_arg
+    from ..cli import add_drafter_kernel_args
 
-    add_draft_vocab_arg(p)
+    add_drafter_kernel_args(p)
     from ..argtypes import DEFAULT_SERVE_TREE_BUDGET, add_tree_args
 
     add_tree_args(p, DEFAULT_SERVE_TREE_BUDGET)  # batched trees run on the lean path (else chains)
-    p.add_argument("--head-kernel", default="auto",
-                   help="the drafter's candidate-pass kernel: auto (measured on this machine, cached) | "
-                        "int8 | bfloat16 | exact | blockq (exact scores on a GGUF head's blocks)")
     p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's default, one per core)")
     p.add_argument("--log-level", default="warning")
