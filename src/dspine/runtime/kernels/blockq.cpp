@@ -169,7 +169,8 @@ inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, 
 }
 
 // rows sharing one dequantized weight block (2 sums each: 8 of the 16 AVX2 registers); groups
-// of 8 measured no faster on AVX-512 (docs/decisions.md, session 20)
+// of 8 measured no faster on AVX-512 than 2 x 4 (docs/decisions.md, session 20), but see
+// apply_rows_balanced for 5-7 rows
 constexpr int64_t ROW_GROUP = 4;
 
 // y [M, N] = x [M, K] W^T; features split over ATen's threads, 16 at a time (their blocks stay
@@ -185,9 +186,52 @@ void apply_rows(int64_t M, int64_t N, const Dots& dots) {
   });
 }
 
+#if defined(DSPINE_AVX512)
+// More than 4 rows on AVX-512 (32 registers): ceil(M / 8) groups of balanced size, 4 to 8 rows
+// each (5 rows: one group, not 4 + 1; 9 rows: 5 + 4). Each group passes over the weights once
+// and rebuilds them, which costs about as much as a few rows' products, so a small remainder
+// group is dear: measured 0.75-0.78x the time of 4 + 1 at 5 rows, 0.78-0.87x at 6, 0.90-0.92x at
+// 7, equal at 8 (benchmarks/row_groups.py, docs/decisions.md, session 26). Up to 4 rows and on
+// AVX2 the groups stay 4 rows, the rest last (apply_rows). Results do not depend on the grouping.
+constexpr int64_t WIDE_GROUP = 8;
+
+template <typename Dots>
+void apply_rows_balanced(int64_t M, int64_t N, const Dots& dots) {
+  const int64_t groups = (M + WIDE_GROUP - 1) / WIDE_GROUP, base = M / groups, extra = M % groups;
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+      const int64_t n1 = std::min(n0 + 16, hi);
+      for (int64_t g = 0, r0 = 0; g < groups; ++g) {  // the first `extra` groups take one row more
+        const int64_t R = base + (g < extra ? 1 : 0);
+        for (int64_t n = n0; n < n1; ++n) dots(r0, R, n);
+        r0 += R;
+      }
+    }
+  });
+}
+#endif
+
 void q4_apply(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m, float* y,
               int64_t N) {
   const int64_t nb = K / QK;
+#if defined(DSPINE_AVX512)
+  if (M > ROW_GROUP) {
+    apply_rows_balanced(M, N, [&](int64_t r0, int64_t R, int64_t n) {
+      const float* xr = x + r0 * K;
+      const uint8_t* qn = q + n * (K / 2);
+      const float *dn = d + n * nb, *mn = m + n * nb;
+      float* yr = y + r0 * N;
+      switch (R) {  // 4..8
+        case 4: q4_dots<4>(xr, K, qn, dn, mn, yr, N, n); break;
+        case 5: q4_dots<5>(xr, K, qn, dn, mn, yr, N, n); break;
+        case 6: q4_dots<6>(xr, K, qn, dn, mn, yr, N, n); break;
+        case 7: q4_dots<7>(xr, K, qn, dn, mn, yr, N, n); break;
+        default: q4_dots<8>(xr, K, qn, dn, mn, yr, N, n); break;
+      }
+    });
+    return;
+  }
+#endif
   apply_rows(M, N, [&](int64_t r0, int64_t R, int64_t n) {
     const float* xr = x + r0 * K;
     const uint8_t* qn = q + n * (K / 2);
@@ -204,6 +248,24 @@ void q4_apply(const float* x, int64_t M, int64_t K, const uint8_t* q, const floa
 
 void q8_apply(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, float* y, int64_t N) {
   const int64_t nb = K / QK;
+#if defined(DSPINE_AVX512)
+  if (M > ROW_GROUP) {
+    apply_rows_balanced(M, N, [&](int64_t r0, int64_t R, int64_t n) {
+      const float* xr = x + r0 * K;
+      const int8_t* qn = q + n * K;
+      const float* dn = d + n * nb;
+      float* yr = y + r0 * N;
+      switch (R) {  // 4..8
+        case 4: q8_dots<4>(xr, K, qn, dn, yr, N, n); break;
+        case 5: q8_dots<5>(xr, K, qn, dn, yr, N, n); break;
+        case 6: q8_dots<6>(xr, K, qn, dn, yr, N, n); break;
+        case 7: q8_dots<7>(xr, K, qn, dn, yr, N, n); break;
+        default: q8_dots<8>(xr, K, qn, dn, yr, N, n); break;
+      }
+    });
+    return;
+  }
+#endif
   apply_rows(M, N, [&](int64_t r0, int64_t R, int64_t n) {
     const float* xr = x + r0 * K;
     const int8_t* qn = q + n * K;
