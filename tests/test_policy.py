@@ -222,6 +222,22 @@ def test_cost_policy_maximizes_expected_rate():
     assert pol.expected_tokens([0.5, 0.5]) == [1.0, 1.5, 1.75]
 
 
+def test_depth_prior_carries_the_shallower_estimate():
+    """``depth_prior``: a position never verified is priced at the estimate of the one before
+    it; the flat prior (the default) prices it at ``prior_accept`` whatever came before."""
+    curve = CostCurve([1.0] * 8)
+    st = AcceptanceStats(half_life=float("inf"))
+    for _ in range(40):
+        st.update(n=3, accepted=3)  # positions 1..3 always accepted; 4.. never verified
+    flat = CostModelPolicy(curve, explore_every=0).confidence(st, 6)
+    deep = CostModelPolicy(curve, explore_every=0, depth_prior=True).confidence(st, 6)
+    assert flat[0] == deep[0] and min(flat[:3] + deep[:3]) > 0.9  # measured positions: data dominates
+    assert flat[3:] == [0.6] * 3  # the flat prior
+    assert all(d > 0.9 for d in deep[3:])  # carried down from position 3
+    st0 = AcceptanceStats(half_life=float("inf"))  # nothing seen: both are the prior everywhere
+    assert CostModelPolicy(curve, depth_prior=True).confidence(st0, 4) == pytest.approx([0.6] * 4)
+
+
 def test_acceptance_stats_are_censored():
     st = AcceptanceStats(half_life=float("inf"))
     st.update(n=3, accepted=3)  # positions 1..3 accepted

@@ -57,6 +57,38 @@ def test_ngram_index_equals_brute_force(tokens, anchor, n, max_ngram, min_match)
     assert idx.lookup(anchor, n, min_match) == brute_lookup(tokens, anchor, n, max_ngram, min_match)
 
 
+def brute_contested(tokens: list[int], anchor: int, k: int) -> bool:
+    """Reference: the last k tokens of tokens + [anchor] occurred at least twice earlier and
+    their two most recent earlier occurrences were followed by different tokens."""
+    seq = tokens + [anchor]
+    L = len(tokens)
+    suf = seq[L + 1 - k:]
+    follow = [seq[j] for j in range(L - 1, k - 1, -1) if seq[j - k:j] == suf]  # most recent first
+    return len(follow) >= 2 and follow[0] != follow[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 3), st.integers(1, 4))
+def test_contested_equals_brute_force(tokens, anchor, max_ngram):
+    idx = NgramIndex(max_ngram)
+    cut = len(tokens) // 3
+    idx.observe(tokens[:cut], 0)
+    idx.observe(tokens[cut:] + [0, 1], cut)
+    idx.observe(tokens[cut:], cut)  # a rollback rebuilds the index: nothing of [0, 1] may remain
+    for k in range(1, min(max_ngram, len(tokens) + 1) + 1):
+        assert idx.contested(anchor, k) == brute_contested(tokens, anchor, k), k
+
+
+def test_contested_examples():
+    idx = NgramIndex(2)
+    idx.observe([5, 1, 5, 2, 7, 3], 0)
+    assert idx.contested(5, 1)  # 5 was followed by 1, then by 2
+    assert not idx.contested(7, 1)  # 7 occurred once
+    idx.observe([7, 3], 6)
+    assert not idx.contested(7, 1)  # 7 was followed by 3 both times
+    assert idx.lookup(5, 2, 1) == (1, [2, 7])  # the copy itself is still the most recent continuation
+
+
 def test_ngram_index_rollback_and_gap():
     idx = NgramIndex(3)
     idx.observe([1, 2, 3, 1, 2], 0)
@@ -96,6 +128,12 @@ def test_hybrid_plans_from_the_context_only(tiny256):
     assert h.plan(state, 4, 7) == Plan("draft", 7)  # ... but without a cost policy the drafter runs
     assert h.plan(state, 4, 7, pick=lambda alts: alts[0]) == Plan("ngram1", 3, 1)
     assert h.propose(state, 3, 6, 2, SamplingConfig(), None).tokens.tolist() == [4, 1]
+    h.observe(state, [9, 1], 6)  # now (1, 2) was followed by 3, then by 9: contested
+    assert h.alternatives(state, 2, 7)[0] == Plan("ngram", 3, 2) and "ngram-contested" not in h.sources  # default
+    split = HybridProposer(d, NgramProposer(8, 3, 1), split_contested=True)  # opt-in: priced apart
+    assert split.alternatives(state, 2, 7)[0] == Plan("ngram-contested", 3, 2)
+    assert split.plan(state, 2, 7) == Plan("draft", 7)  # a contested copy is not taken without a cost policy
+    assert "ngram-contested" in split.sources
 
 
 # -- greedy equality on the real target ---------------------------------------------------------
@@ -217,17 +255,22 @@ def _per_source_policy() -> PerSourcePolicy:
     curve = CostCurve([1.0, 1.15, 1.3, 1.45])
     return PerSourcePolicy({"draft": FixedPolicy(),
                             **{s: CostModelPolicy(curve, prior_accept=0.5, explore_every=2, source=s)
-                               for s in ("ngram", "ngram1")}}, "ngram")
+                               for s in ("ngram", "ngram1", "ngram-contested")}}, "ngram")
 
 
-def test_distribution_hybrid(tiny8, exact):
+@pytest.mark.parametrize("split", [False, True])  # True: contested copies are their own source
+def test_distribution_hybrid(tiny8, exact, split):
     drafter = DrafterProposer(random_drafter(tiny8, block_size=4))
     pol = _per_source_policy()
-    eng = Engine(tiny8, HybridProposer(drafter, NgramProposer(4, 2, 1)), "dspine", verify_policy=pol)
+    eng = Engine(tiny8, HybridProposer(drafter, NgramProposer(4, 2, 1), split_contested=split), "dspine",
+                 verify_policy=pol)
     p, impossible, used = chi_square(eng, exact, 600)
     assert impossible == 0
     assert p > 1e-3, p
-    assert used["ngram"] + used["ngram1"] > 50 and used["draft"] > 50, used  # both really proposed
+    copies = ("ngram", "ngram1") + (("ngram-contested",) if split else ())
+    assert sum(used[s] for s in copies) > 50 and used["draft"] > 50, used  # both really proposed
+    assert min(used[s] for s in copies) >= 5, used  # every kind of copy (contested ones too when split)
+    assert split or used["ngram-contested"] == 0, used
     assert len(set(pol.policies["ngram1"].decisions)) >= 2  # the copy's n really varied
 
 

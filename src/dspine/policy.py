@@ -350,6 +350,10 @@ class CostModelPolicy(VerifyPolicy):
         cost_half_life: decay, in observed cycles, of those measured times.
         source: count only cycles of this proposer source (``CycleRecord.source``); None
             counts every cycle. :class:`PerSourcePolicy` keeps one policy per source.
+        depth_prior: the prior of position j > 1 is the estimate at position j - 1
+            (:meth:`confidence`); False (the default): ``prior_accept`` at every position.
+            Measured in session 26 and not adopted: faster on chat and tool calls, slower on
+            code and edits (``benchmarks/contested_copies.py``, docs/decisions.md).
     """
 
     name = "cost"
@@ -358,7 +362,7 @@ class CostModelPolicy(VerifyPolicy):
     def __init__(self, cost: CostCurve, prior_accept: float = 0.6, prior_weight: float = 2.0,
                  half_life: float = 64.0, global_half_life: float = 1024.0, global_weight_cap: float = 16.0,
                  explore_every: int = 16, observe_costs: bool = True, cost_half_life: float = 64.0,
-                 source: str | None = None):
+                 source: str | None = None, depth_prior: bool = False):
         if not 0.0 <= prior_accept <= 1.0:
             raise ValueError(f"prior_accept must be in [0, 1], got {prior_accept}")
         if explore_every < 0:
@@ -378,6 +382,7 @@ class CostModelPolicy(VerifyPolicy):
         self._costs: list[float] | None = None  # cycle_cost for every n, until an observation changes
         self.profile_key: str | None = None  # set by make_policy(persist=True)
         self.source = source  # only cycles of this proposer source count (None: every cycle)
+        self.depth_prior = bool(depth_prior)
 
     # cycle cost ----------------------------------------------------------------------------
     def observe(self, n: int, seconds: float) -> None:
@@ -440,14 +445,25 @@ class CostModelPolicy(VerifyPolicy):
         return st
 
     def confidence(self, stats: AcceptanceStats, n_max: int) -> list[float]:
-        """Estimated acceptance rate c_j for positions j = 1..n_max."""
+        """Estimated acceptance rate c_j for positions j = 1..n_max.
+
+        Each position's counts (this request's, then the pooled ones) are shrunk towards a
+        prior of ``prior_weight`` pseudo-cycles: ``prior_accept`` at every position or, with
+        ``depth_prior``, at position 1 only and the estimate of position j - 1 at position
+        j > 1, so positions rarely verified inherit what the shallower ones showed (a copy
+        accepted 19 times in 20 at positions 1-3 is then priced as likely right at position
+        4, where the flat prior keeps it at 3-token verifications; not the default: it
+        verified too long on code and edits, docs/decisions.md, session 26)."""
         out = []
+        prior = self.prior_accept
         for k in range(n_max):
             ga, gr = self.pooled.counts(k)
-            m = (ga + self.prior_weight * self.prior_accept) / (gr + self.prior_weight)
+            m = (ga + self.prior_weight * prior) / (gr + self.prior_weight)
             w = min(gr + self.prior_weight, max(self.global_weight_cap, self.prior_weight))
             ra, rr = stats.counts(k)
             out.append((ra + w * m) / (rr + w))
+            if self.depth_prior:
+                prior = out[-1]
         return out
 
     def expected_tokens(self, conf: list[float]) -> list[float]:

@@ -6,7 +6,9 @@ calls, format conversion), the drafter on new text. Each cycle :meth:`HybridProp
 looks the context's suffix (anchor included) up in the request's n-gram index
 (:mod:`.ngram`). Without a match the cycle drafts (source ``draft``, q the drafter's).
 With one, the copy (source ``ngram`` for a match of 2+ tokens, ``ngram1`` for a single
-token; q a point mass) and the drafter are both on offer, and the cost policy picks the
+token and, opt-in, ``ngram-contested`` when the matched suffix's two most recent earlier
+occurrences were followed by different tokens, :meth:`NgramIndex.contested`; q a point
+mass) and the drafter are both on offer, and the cost policy picks the
 one with the higher expected tokens per second from each source's own observed
 acceptance and cost (:meth:`dspine.policy.PerSourcePolicy.pick`; a copy costs no drafter
 forward); without a cost policy a copy is taken when its match has 2+ tokens. The choice reads only committed
@@ -28,6 +30,7 @@ from .ngram import CACHE_SOURCE, NgramIndex, NgramProposer
 
 MAX_COPY_BONUS = 1e4  # scores are logits (|T| ~ tens): 1e4 already means "always follow the copy"
 FUSED_SOURCE = "fused"  # the drafter's chain with the copied continuation fused into its final stage
+CONTESTED_SOURCE = "ngram-contested"  # a copy after a suffix the text continued in two ways (NgramIndex.contested)
 
 
 class HybridState:
@@ -53,6 +56,13 @@ class HybridProposer(Proposer):
             offers a copy.
         strong_match: copies with a match of at least this many tokens are source
             ``ngram``, shorter ones ``ngram1`` (priced apart by the cost policy).
+        split_contested: copies whose matched suffix was followed by different tokens at
+            its two most recent earlier occurrences become source ``ngram-contested``, priced
+            apart by the cost policy. Off by default: such copies are right far less often
+            (13-36% of first tokens against 49-98%, measured offline), yet pricing them apart
+            changed decode speed by no more than the noise (0.98-1.02x on five workloads in
+            three runs, ``benchmarks/contested_copies.py``, docs/decisions.md, session 26):
+            the cost policy already verifies few of them.
         fuse_bonus: when set (``--copy-bonus``) and the drafter has a final stage, a cycle
             that drafts while a copy is on offer becomes source ``fused``: the copied
             continuation joins the candidates of each row and following it scores
@@ -67,10 +77,11 @@ class HybridProposer(Proposer):
     offers_alternatives = True
 
     def __init__(self, drafter: Proposer, ngram: NgramProposer | None = None, strong_match: int = 2,
-                 fuse_bonus: float | None = None):
+                 fuse_bonus: float | None = None, split_contested: bool = False):
         self.drafter_proposer = drafter
         self.ngram = ngram or NgramProposer(drafter.block_size)
         self.strong_match = strong_match
+        self.split_contested = bool(split_contested)
         if fuse_bonus is not None and (not isinstance(fuse_bonus, (int, float)) or isinstance(fuse_bonus, bool)
                                        or not 0 <= fuse_bonus <= MAX_COPY_BONUS):
             raise ValueError(f"--copy-bonus must be a number in 0..{MAX_COPY_BONUS:g} (a score bonus; "
@@ -117,17 +128,21 @@ class HybridProposer(Proposer):
     def sources(self) -> list[str]:
         """Every source this proposer may plan, the drafter's first (the cost policy keeps
         one policy per source)."""
-        copies = ["ngram", "ngram1"] + ([CACHE_SOURCE] if self.ngram.cache is not None else [])
+        copies = ["ngram", "ngram1"] + ([CONTESTED_SOURCE] if self.split_contested else []) \
+            + ([CACHE_SOURCE] if self.ngram.cache is not None else [])
         fused = [FUSED_SOURCE] if self.fuse_bonus is not None else []
         return [getattr(self.drafter_proposer, "source", "draft")] + copies + fused
 
-    def copy_source(self, match: int, origin: str = "own") -> str:
+    def copy_source(self, match: int, origin: str = "own", contested: bool = False) -> str:
         """The source name of a copy with a suffix match of ``match`` tokens: ``cache`` for a
-        copy from the cross-request cache, else ``ngram`` for ``match >= strong_match``,
-        ``ngram1`` below (kept apart: a one-token match is right far less often, and the
-        cost policy prices each source by its own record)."""
+        copy from the cross-request cache, ``ngram-contested`` for a ``contested`` match
+        (when split), else ``ngram`` for ``match >= strong_match``, ``ngram1`` below (kept
+        apart: a one-token or contested match is right far less often, and the cost policy
+        prices each source by its own record)."""
         if origin == "cache":
             return CACHE_SOURCE
+        if contested and self.split_contested:
+            return CONTESTED_SOURCE
         return "ngram" if match >= self.strong_match else "ngram1"
 
     def alternatives(self, state: HybridState, anchor: int, n_max: int) -> list[Plan]:
@@ -135,7 +150,8 @@ class HybridProposer(Proposer):
         the request's own text or, longer, the tenant's earlier outputs) first, then the
         drafter."""
         k, cont, origin = state.index.lookup_any(anchor, n_max, self.ngram.min_match)
-        out = [Plan(self.copy_source(k, origin), len(cont), k)] if cont else []
+        contested = bool(cont) and origin == "own" and self.split_contested and state.index.contested(anchor, k)
+        out = [Plan(self.copy_source(k, origin, contested), len(cont), k)] if cont else []
         drafting = self.drafter_proposer.plan(state.draft, anchor, n_max)
         if cont and self.fuse_bonus is not None:  # the drafter's chain with the copy fused in
             drafting = Plan(FUSED_SOURCE, drafting.max_n, k)
@@ -143,13 +159,13 @@ class HybridProposer(Proposer):
 
     def plan(self, state: HybridState, anchor: int, n_max: int, pick=None) -> Plan:
         """``pick``'s choice among the alternatives; without ``pick`` (no cost policy) a copy
-        with a match of ``strong_match`` tokens or more, else the drafter. The choice is kept
+        with an uncontested match of ``strong_match`` tokens or more, else the drafter. The choice is kept
         in ``state`` for :meth:`propose`."""
         alts = self.alternatives(state, anchor, n_max)
         if pick is not None and len(alts) > 1:
             chosen = pick(alts)
         else:
-            chosen = next(a for a in alts if a.source != "ngram1")
+            chosen = next(a for a in alts if a.source not in ("ngram1", CONTESTED_SOURCE))
         state.chosen = (anchor, chosen.source)
         return chosen
 
