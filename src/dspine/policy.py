@@ -352,8 +352,8 @@ class CostModelPolicy(VerifyPolicy):
             counts every cycle. :class:`PerSourcePolicy` keeps one policy per source.
         depth_prior: the prior of position j > 1 is the estimate at position j - 1
             (:meth:`confidence`); False (the default): ``prior_accept`` at every position.
-            Measured in session 26 and not adopted: faster on chat and tool calls, slower on
-            code and edits (``benchmarks/contested_copies.py``, docs/decisions.md).
+            Measured in session 26 and not adopted: 0.91-1.10x the default over three runs,
+            edits slower in all three (``benchmarks/contested_copies.py``, docs/decisions.md).
     """
 
     name = "cost"
@@ -452,8 +452,8 @@ class CostModelPolicy(VerifyPolicy):
         ``depth_prior``, at position 1 only and the estimate of position j - 1 at position
         j > 1, so positions rarely verified inherit what the shallower ones showed (a copy
         accepted 19 times in 20 at positions 1-3 is then priced as likely right at position
-        4, where the flat prior keeps it at 3-token verifications; not the default: it
-        verified too long on code and edits, docs/decisions.md, session 26)."""
+        4, where the flat prior keeps it at 3-token verifications; not the default: no
+        consistent gain in time, docs/decisions.md, session 26)."""
         out = []
         prior = self.prior_accept
         for k in range(n_max):

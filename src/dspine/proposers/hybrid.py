@@ -60,8 +60,8 @@ class HybridProposer(Proposer):
             its two most recent earlier occurrences become source ``ngram-contested``, priced
             apart by the cost policy. Off by default: such copies are right far less often
             (13-36% of first tokens against 49-98%, measured offline), yet pricing them apart
-            changed decode speed by no more than the noise (0.98-1.02x on five workloads in
-            three runs, ``benchmarks/contested_copies.py``, docs/decisions.md, session 26):
+            changed decode speed by no more than the noise (0.96-1.07x on five workloads in
+            four runs, ``benchmarks/contested_copies.py``, docs/decisions.md, session 26):
             the cost policy already verifies few of them.
         fuse_bonus: when set (``--copy-bonus``) and the drafter has a final stage, a cycle
             that drafts while a copy is on offer becomes source ``fused``: the copied
