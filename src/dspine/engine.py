@@ -316,7 +316,8 @@ class Engine:
             self.observe_tree_gate(req)
             return emitted
         if n > 0:
-            prop = self.proposer.propose(req.draft_state, req.anchor, pos, n, req.sampling, req.gen)
+            prop = self.cut_at_finish(req, self.proposer.propose(req.draft_state, req.anchor, pos, n,
+                                                                 req.sampling, req.gen))
         else:
             prop = Proposal(torch.zeros(0, dtype=torch.long))
         n = int(prop.tokens.shape[0])
@@ -340,6 +341,34 @@ class Engine:
         self._commit_draft(req, prop, _features(out, keep), ids[0, :keep].tolist(), pos, n, a, source, t0, t1)
         self.observe_tree_gate(req)
         return emitted
+
+    def cut_at_finish(self, req: Request, prop: Proposal) -> Proposal:
+        """``prop`` (a chain) without the proposals after the first one that would end
+        ``req``: an EOS token, or the token after which the output's text holds one of the
+        request's stop strings (the same test as :meth:`_apply_stop`). Were they accepted,
+        :meth:`_emit` would cut them, so verifying them would only cost time (a copy that
+        runs past the end of a function and into the stop string ``\\ndef``, say).
+
+        Exact whatever the proposals' q: the kept prefix is decided by the values of the
+        tokens kept, never by a dropped token's own value, and every output the full chain
+        can emit is emitted with the same probability (a rejection at or before the cut
+        is drawn as before; past it the request has ended); see
+        ``tests/test_engine_finish.py``. The stop-string test decodes the output once per
+        cycle and, only when that text holds a stop, once per proposal."""
+        toks = prop.tokens.tolist()
+        eos = self.target.eos_token_ids
+        k = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
+        if req.stop and k > 0:
+            tok = self.target.tokenizer
+            if any(s in tok.decode(req.out_ids + toks[:k], skip_special_tokens=True) for s in req.stop):
+                k = next((i for i in range(1, k + 1) if any(
+                    s in tok.decode(req.out_ids + toks[:i], skip_special_tokens=True) for s in req.stop)), k)
+        if k >= len(toks):
+            return prop
+        prop.tokens = prop.tokens[:k]
+        prop.q_ids = prop.q_ids[:k] if prop.q_ids is not None else None
+        prop.q_probs = prop.q_probs[:k] if prop.q_probs is not None else None
+        return prop
 
     def observe_tree_gate(self, req: Request) -> None:
         """Tell the tree gate (:class:`dspine.trees.gate.TreeGate`) how ``req``'s last cycle
