@@ -150,3 +150,28 @@ def test_greedy_copies_cut_at_a_stop_equal_ar(smol):
         assert got.token_ids == want.token_ids and got.text == want.text, stop
         assert got.finish_reason == want.finish_reason == "stop", (stop, want.text)
     assert cuts, "no copy ran into a stop string: the test proves nothing"
+
+
+def test_batched_copies_cut_at_a_stop_equal_ar(smol):
+    """The batched engine (``serve``) cuts its chains the same way: three requests with
+    different stop strings, continuous batching, token for token ``ar``'s."""
+    from dspine.batch import BatchEngine
+
+    ids = smol.encode_prompt(REPEAT_PROMPT, chat=True)
+    stops = [["perimeter"], ["w + h"], ["\n\n\n"]]
+    ar = Engine(smol, None, "ar")
+    want = [ar.generate(ids, SamplingConfig(), 48, stop=s).token_ids for s in stops]
+    eng = Engine(smol, NgramProposer(16, 4, 1), "dspine")
+    cuts = []
+    orig = eng.cut_at_finish
+
+    def recording(req, prop):
+        before = int(prop.tokens.shape[0])  # the cut shortens the proposal in place
+        out = orig(req, prop)
+        cuts.append(int(out.tokens.shape[0]) < before)
+        return out
+
+    eng.cut_at_finish = recording
+    got = BatchEngine(eng, max_running=3).generate_many([ids] * 3, SamplingConfig(), 48, stop=stops)
+    assert [r.token_ids for r in got] == want
+    assert any(cuts), "no batched chain was cut: the test proves nothing"
