@@ -19,9 +19,8 @@ from dspine.config import SamplingConfig
 from dspine.engine import Engine
 from dspine.proposers import NgramProposer
 from dspine.proposers.base import Proposal
-from dspine.sampling import filter_probs
 from dspine.target import load_target
-from test_policy import PROMPT, SAMPLING, V, PeakedProposer, pooled_chi_square
+from test_policy import PROMPT, SAMPLING, V, PeakedProposer, exact_distribution, pooled_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,34 +31,13 @@ M = 4  # at most this many new tokens per sampled sequence
 def tiny_eos():
     t = load_target("random:llama", vocab_size=V, seed=0)
     t.eos_token_ids = frozenset()
-    probs = exact_distribution_eos(t, PROMPT, M, SamplingConfig(**SAMPLING), frozenset())
+    probs = exact_distribution(t, PROMPT, M, SamplingConfig(**SAMPLING))
     second = collections.Counter()
     for k, p in probs.items():
         second[k[1]] += p
     # EOS: the second token closest to 20% likely, so requests often end early but not nearly always
     t.eos_token_ids = frozenset({min(second, key=lambda v: abs(second[v] - 0.2))})
     return t
-
-
-def exact_distribution_eos(target, prompt: list[int], m: int, sampling: SamplingConfig,
-                           eos: frozenset) -> dict[tuple, float]:
-    """P(output) under the target's plain sampler, by enumeration: outputs end at their
-    first EOS token or after ``m`` tokens."""
-    done: dict[tuple, float] = {}
-    probs: dict[tuple, float] = {(): 1.0}
-    for _ in range(m):
-        pref = list(probs)
-        ids = torch.tensor([prompt + list(p) for p in pref])
-        with torch.no_grad():
-            p = filter_probs(target.model(input_ids=ids).logits[:, -1].float(), sampling)  # [n, V]
-        nxt: dict[tuple, float] = {}
-        for i, pr in enumerate(pref):
-            for v in range(V):
-                if p[i, v] > 0:
-                    (done if v in eos else nxt)[pr + (v,)] = probs[pr] * float(p[i, v])
-        probs = nxt
-    done.update(probs)
-    return done
 
 
 class DropEos(Engine):
@@ -107,7 +85,7 @@ def test_cut_keeps_the_first_eos_and_drops_the_rest(tiny_eos):
 
 def test_distribution_with_eos_cut(tiny_eos):
     (e,) = tiny_eos.eos_token_ids
-    exact = exact_distribution_eos(tiny_eos, PROMPT, M, SamplingConfig(**SAMPLING), tiny_eos.eos_token_ids)
+    exact = exact_distribution(tiny_eos, PROMPT, M, SamplingConfig(**SAMPLING), tiny_eos.eos_token_ids)
     p, impossible, cut = _chi_square(Engine(tiny_eos, PeakedProposer(e), "dspine"), exact, 600)
     assert impossible == 0
     assert cut > 50, cut  # the cut really ran
@@ -117,7 +95,7 @@ def test_distribution_with_eos_cut(tiny_eos):
 def test_distribution_dropping_the_eos_proposal_fails(tiny_eos):
     """Negative control: the chi-square test must reject a cut that drops the EOS proposal."""
     (e,) = tiny_eos.eos_token_ids
-    exact = exact_distribution_eos(tiny_eos, PROMPT, M, SamplingConfig(**SAMPLING), tiny_eos.eos_token_ids)
+    exact = exact_distribution(tiny_eos, PROMPT, M, SamplingConfig(**SAMPLING), tiny_eos.eos_token_ids)
     p, _, cut = _chi_square(DropEos(tiny_eos, PeakedProposer(e), "dspine"), exact, 2500)
     assert cut > 50, cut
     assert p < 1e-6, p

@@ -125,16 +125,23 @@ class CutAtToken(Proposer):
 
 
 @torch.no_grad()
-def exact_distribution(target, prompt: list[int], m: int, sampling: SamplingConfig) -> dict[tuple, float]:
-    """P(first m sampled tokens) under the target's plain sampler, by enumeration."""
+def exact_distribution(target, prompt: list[int], m: int, sampling: SamplingConfig,
+                       eos: frozenset = frozenset()) -> dict[tuple, float]:
+    """P(output) under the target's plain sampler, by enumeration: the first m sampled
+    tokens, or fewer when an output reaches a token in ``eos`` (it ends there)."""
+    done: dict[tuple, float] = {}
     probs: dict[tuple, float] = {(): 1.0}
     for _ in range(m):
         pref = list(probs)
         ids = torch.tensor([prompt + list(p) for p in pref])
         p = filter_probs(target.model(input_ids=ids).logits[:, -1].float(), sampling)  # [n, V]
-        probs = {pr + (v,): probs[pr] * float(p[i, v]) for i, pr in enumerate(pref)
-                 for v in range(V) if p[i, v] > 0}
-    return probs
+        nxt: dict[tuple, float] = {}
+        for i, pr in enumerate(pref):
+            for v in range(V):
+                if p[i, v] > 0:
+                    (done if v in eos else nxt)[pr + (v,)] = probs[pr] * float(p[i, v])
+        probs = nxt
+    return {**done, **probs}
 
 
 def pooled_chi_square(counts: collections.Counter, exact: dict, n_samples: int) -> tuple[float, int]:

@@ -70,7 +70,7 @@ def brute_contested(tokens: list[int], anchor: int, k: int) -> bool:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 3), st.integers(1, 4))
 def test_contested_equals_brute_force(tokens, anchor, max_ngram):
-    idx = NgramIndex(max_ngram)
+    idx = NgramIndex(max_ngram, contested=True)
     cut = len(tokens) // 3
     idx.observe(tokens[:cut], 0)
     idx.observe(tokens[cut:] + [0, 1], cut)
@@ -80,7 +80,9 @@ def test_contested_equals_brute_force(tokens, anchor, max_ngram):
 
 
 def test_contested_examples():
-    idx = NgramIndex(2)
+    with pytest.raises(ValueError, match="contested=True"):
+        NgramIndex(2).contested(5, 1)  # the default index does not keep what it reads
+    idx = NgramIndex(2, contested=True)
     idx.observe([5, 1, 5, 2, 7, 3], 0)
     assert idx.contested(5, 1)  # 5 was followed by 1, then by 2
     assert not idx.contested(7, 1)  # 7 occurred once
@@ -131,8 +133,10 @@ def test_hybrid_plans_from_the_context_only(tiny256):
     h.observe(state, [9, 1], 6)  # now (1, 2) was followed by 3, then by 9: contested
     assert h.alternatives(state, 2, 7)[0] == Plan("ngram", 3, 2) and "ngram-contested" not in h.sources  # default
     split = HybridProposer(d, NgramProposer(8, 3, 1), split_contested=True)  # opt-in: priced apart
-    assert split.alternatives(state, 2, 7)[0] == Plan("ngram-contested", 3, 2)
-    assert split.plan(state, 2, 7) == Plan("draft", 7)  # a contested copy is not taken without a cost policy
+    sstate = split.new_state([1, 2, 3, 4, 1, 2])  # its index keeps what `contested` reads
+    split.observe(sstate, [1, 2, 3, 4, 1, 2, 9, 1], 0)
+    assert split.alternatives(sstate, 2, 7)[0] == Plan("ngram-contested", 3, 2)
+    assert split.plan(sstate, 2, 7) == Plan("draft", 7)  # a contested copy is not taken without a cost policy
     assert "ngram-contested" in split.sources
 
 

@@ -558,8 +558,10 @@ class BatchEngine:
                 out[i] = prop.propose(r.draft_state, r.anchor, self.kv.lengths[i], ns[i], r.sampling, r.gen)
             except Exception as e:  # noqa: BLE001 (this request only: it drafts nothing and leaves)
                 self._fail(r, e)
-        return [empty() if p is None else p if p.tree is not None or ns[i] <= 0
-                else self.engine.cut_at_finish(reqs[i], p) for i, p in enumerate(out)]
+        for i, p in enumerate(out):  # chains end at a finishing proposal (Engine.cut_at_finish)
+            if p is not None and p.tree is None and ns[i] > 0:
+                out[i] = self.engine.cut_at_finish(reqs[i], p)
+        return [p if p is not None else empty() for p in out]
 
     def _propose_trees(self, reqs: list[Request], ns: list[int]) -> list[Proposal | None]:
         """Draft trees (:meth:`Proposer.propose_tree`, the engine's :class:`TreeSpec` and tree

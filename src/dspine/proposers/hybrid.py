@@ -103,7 +103,8 @@ class HybridProposer(Proposer):
         return bool(getattr(self.drafter_proposer, "supports_tree", False))
 
     def new_state(self, prompt_ids: list[int]) -> HybridState:
-        return HybridState(self.drafter_proposer.new_state(prompt_ids), self.ngram.new_state(prompt_ids))
+        return HybridState(self.drafter_proposer.new_state(prompt_ids),
+                           self.ngram.new_state(prompt_ids, contested=self.split_contested))
 
     def commit(self, state: HybridState, features: torch.Tensor, start_pos: int) -> None:
         self.drafter_proposer.commit(state.draft, features, start_pos)

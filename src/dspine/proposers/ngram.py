@@ -42,21 +42,23 @@ class NgramIndex:
             continuation after its most recent occurrence starts.
         count: n-gram -> occurrences with a known continuation.
         prev: n-gram -> where the continuation of its occurrence before the most recent
-            one starts (n-grams that occurred at least twice), for :meth:`contested`.
+            one starts (n-grams that occurred at least twice), for :meth:`contested`; None
+            unless the index was built with ``contested=True`` (kept only when asked for:
+            the default hybrid does not read it).
         shared: the request's view of the cross-request cache of earlier outputs
             (:class:`.cache.CacheView`), or None.
     """
 
     MAX_NGRAM = 16  # longer matches change nothing measurable (benchmarks/ngram_tuning.json); memory ~ max x context
 
-    def __init__(self, max_ngram: int = 4):
+    def __init__(self, max_ngram: int = 4, contested: bool = False):
         if not 1 <= max_ngram <= self.MAX_NGRAM:
             raise ValueError(f"--ngram-max {max_ngram} must be in 1..{self.MAX_NGRAM}")
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}
         self.count: dict[tuple[int, ...], int] = {}
-        self.prev: dict[tuple[int, ...], int] = {}
+        self.prev: dict[tuple[int, ...], int] | None = {} if contested else None
         self.shared: CacheView | None = None
 
     def __len__(self) -> int:
@@ -67,9 +69,10 @@ class NgramIndex:
         i, toks = len(self.tokens), self.tokens
         for k in range(1, min(self.max_ngram, i) + 1):
             key = tuple(toks[i - k:i])
-            j = self.last.get(key)
-            if j is not None:
-                self.prev[key] = j
+            if self.prev is not None:
+                j = self.last.get(key)
+                if j is not None:
+                    self.prev[key] = j
             self.last[key] = i
             self.count[key] = self.count.get(key, 0) + 1
         toks.append(int(token))
@@ -85,7 +88,8 @@ class NgramIndex:
             raise ValueError(f"n-gram index holds {len(self.tokens)} tokens; cannot commit at position {start_pos}")
         if start_pos < len(self.tokens):
             kept = self.tokens[:start_pos]
-            self.tokens, self.last, self.count, self.prev = [], {}, {}, {}
+            self.tokens, self.last, self.count = [], {}, {}
+            self.prev = {} if self.prev is not None else None
             for t in kept:
                 self.append(t)
         for t in tokens:
@@ -121,7 +125,13 @@ class NgramIndex:
         13% / 22% of the time after a contested one-token match against 49% / 63% after
         an uncontested repeat, 30% / 36% against 98% for longer matches; docs/decisions.md).
         False when the suffix occurred fewer than two times. Reads committed tokens and the
-        anchor only."""
+        anchor only.
+
+        Raises:
+            ValueError: the index was not built with ``contested=True``.
+        """
+        if self.prev is None:
+            raise ValueError("NgramIndex.contested needs an index built with contested=True")
         key = self._key(anchor, k)
         j, p = self.last.get(key), self.prev.get(key)
         if j is None or p is None:
@@ -184,8 +194,9 @@ class NgramProposer(Proposer):
         self.block_size, self.max_ngram, self.min_match = block_size, max_ngram, min_match
         self.cache = cache
 
-    def new_state(self, prompt_ids: list[int]) -> NgramIndex:
-        return NgramIndex(self.max_ngram)
+    def new_state(self, prompt_ids: list[int], contested: bool = False) -> NgramIndex:
+        """A request's index; ``contested``: it also keeps what :meth:`NgramIndex.contested` reads."""
+        return NgramIndex(self.max_ngram, contested=contested)
 
     def set_tenant(self, state: NgramIndex, tenant: str | None) -> None:
         """Attach the request to ``tenant``'s part of the cross-request cache (no-op
