@@ -56,8 +56,9 @@ def depth_prior(engine) -> None:
         pol.depth_prior = True
 
 
-def build(threads: int):
-    """(target, {config: engine}) as ``dspine generate`` builds them by default."""
+def build(threads: int, labels: tuple[str, ...] = ("default", "split", "depth")):
+    """(target, {"ar": engine, label: engine for each of ``labels``}): ``ar`` and one default
+    engine per label, as ``dspine generate`` builds them, sharing the target and drafter."""
     import torch
 
     from dspine import cli
@@ -74,16 +75,27 @@ def build(threads: int):
     path = str(cli.default_drafter_path(a.target, "dspine"))
     model = load_drafter(path, target, dtype=target.dtype)
     engines = {"ar": ar}
-    for label in ("default", "split", "depth"):
+    for label in labels:
         engines[label] = drafter_engine(target, model, path, "dspine", proposer=a.proposer,
                                         verify_policy=a.verify_policy or cli.DEFAULT_VERIFY_POLICY,
                                         tree=cli._tree_spec(a), head_kernel=a.head_kernel,
                                         drafter_linears=a.drafter_linears, draft_vocab=a.draft_vocab,
                                         copy_bonus=a.copy_bonus, persist=True)
-    split(engines["split"])
-    split(engines["depth"])
-    depth_prior(engines["depth"])
     return target, engines
+
+
+def start(engines: dict, ps: list[dict]) -> tuple[dict, str]:
+    """Warm every engine up on one short request; return (machine info, git commit)."""
+    import torch
+
+    from dspine.config import SamplingConfig
+    from dspine.tune.machine import machine_info
+
+    with torch.no_grad():
+        for e in engines.values():
+            e.generate(ps[0]["ids"], SamplingConfig(), 16)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return machine_info("cpu"), commit
 
 
 def prompts(target, sets: list[str], n: int, offset: int, workloads: list[str], limit: int) -> list[dict]:
@@ -118,15 +130,13 @@ def main() -> None:
     import torch
 
     from dspine.config import SamplingConfig
-    from dspine.tune.machine import machine_info
 
     target, engines = build(args.threads)
+    split(engines["split"])
+    split(engines["depth"])
+    depth_prior(engines["depth"])
     ps = prompts(target, args.sets, args.n, args.offset, [w for w in args.workloads.split(",") if w], args.limit)
-    mi = machine_info("cpu")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    with torch.no_grad():  # warm-up: one short request per engine
-        for e in engines.values():
-            e.generate(ps[0]["ids"], SamplingConfig(), 16)
+    mi, commit = start(engines, ps)
     load0, t_start, runs = os.getloadavg()[0], time.time(), []
     for r in range(args.rounds):
         for k, p in enumerate(ps):

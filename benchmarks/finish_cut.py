@@ -15,13 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contested_copies import build, prompts  # noqa: E402  (the default engines, as generate builds them)
+from contested_copies import build, prompts, start  # noqa: E402  (the default engines, as generate builds them)
 
 CONFIGS = ("ar", "default", "no-cut")
 
@@ -38,19 +37,11 @@ def main() -> None:
     import torch
 
     from dspine.config import SamplingConfig
-    from dspine.tune.machine import machine_info
 
-    target, built = build(args.threads)
-    engines = {"ar": built["ar"], "default": built["default"], "no-cut": built["split"]}
-    engines["no-cut"].proposer.split_contested = False  # the same default engine, except:
-    engines["no-cut"].verify_policy.policies.pop("ngram-contested", None)
-    engines["no-cut"].cut_at_finish = lambda req, prop: prop  # ... every proposal is verified whole
+    target, engines = build(args.threads, ("default", "no-cut"))
+    engines["no-cut"].cut_at_finish = lambda req, prop: prop  # the default engine verifying every proposal whole
     ps = prompts(target, [], 0, 0, [w for w in args.workloads.split(",") if w], args.limit)
-    mi = machine_info("cpu")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    with torch.no_grad():
-        for e in engines.values():
-            e.generate(ps[0]["ids"], SamplingConfig(), 16)
+    mi, commit = start(engines, ps)
     load0, t0, runs = os.getloadavg()[0], time.time(), []
     for r in range(args.rounds):
         for k, p in enumerate(ps):
