@@ -98,6 +98,33 @@ def start(engines: dict, ps: list[dict]) -> tuple[dict, str]:
     return machine_info("cpu"), commit
 
 
+def rotated_runs(engines: dict, ps: list[dict], rounds: int, configs: tuple[str, ...], record) -> list[dict]:
+    """Every (round, prompt) through every engine of ``configs`` (``ar`` among them) in an
+    order rotated per (round, prompt), greedy; ``record(result)`` gives each run's fields.
+    Returns the runs, each with round/prompt/group/config, the token ids and ``same_ids``
+    (all configurations emitted ``ar``'s ids for that prompt and round)."""
+    import torch
+
+    from dspine.config import SamplingConfig
+
+    runs = []
+    for r in range(rounds):
+        for k, p in enumerate(ps):
+            rot = (r + k) % len(configs)
+            got = {}
+            for label in configs[rot:] + configs[:rot]:
+                with torch.no_grad():
+                    got[label] = engines[label].generate(p["ids"], SamplingConfig(), p["max_new_tokens"],
+                                                         stop=p["stop"])
+            same = all(got[c].token_ids == got["ar"].token_ids for c in configs)
+            for c in configs:
+                runs.append({"round": r, "prompt": p["name"], "group": p["group"], "config": c,
+                             "token_ids": got[c].token_ids, "same_ids": same, **record(got[c])})
+            print(f"round {r} {p['name']:24s} " + "  ".join(
+                f"{c} {got[c].stats.tokens_per_second:6.1f}" for c in configs) + f"  tok/s, same ids {same}", flush=True)
+    return runs
+
+
 def prompts(target, sets: list[str], n: int, offset: int, workloads: list[str], limit: int) -> list[dict]:
     from dspine.bench.workloads import build_prompts
     from dspine.data.sources import heldout_prompts
@@ -127,35 +154,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
-    import torch
-
-    from dspine.config import SamplingConfig
-
     target, engines = build(args.threads)
     split(engines["split"])
     split(engines["depth"])
     depth_prior(engines["depth"])
     ps = prompts(target, args.sets, args.n, args.offset, [w for w in args.workloads.split(",") if w], args.limit)
     mi, commit = start(engines, ps)
-    load0, t_start, runs = os.getloadavg()[0], time.time(), []
-    for r in range(args.rounds):
-        for k, p in enumerate(ps):
-            rot = (r + k) % len(CONFIGS)
-            got = {}
-            for label in CONFIGS[rot:] + CONFIGS[:rot]:
-                with torch.no_grad():
-                    res = engines[label].generate(p["ids"], SamplingConfig(), p["max_new_tokens"], stop=p["stop"])
-                st = res.stats
-                got[label] = res
-                runs.append({"round": r, "prompt": p["name"], "group": p["group"], "config": label,
-                             "tokens": st.output_tokens, "decode_s": st.decode_s,
-                             "tokens_per_second": st.tokens_per_second, "tau": st.accepted_length_mean,
-                             "cycles": st.cycles, "sources": st.sources, "token_ids": res.token_ids})
-            same = all(got[c].token_ids == got["ar"].token_ids for c in CONFIGS)
-            for x in runs[-len(CONFIGS):]:
-                x["same_ids"] = same
-            print(f"round {r} {p['name']:24s} " + "  ".join(
-                f"{c} {got[c].stats.tokens_per_second:6.1f}" for c in CONFIGS) + f"  tok/s, same ids {same}", flush=True)
+    load0, t_start = os.getloadavg()[0], time.time()
+    runs = rotated_runs(engines, ps, args.rounds, CONFIGS, lambda res: {
+        "tokens": res.stats.output_tokens, "decode_s": res.stats.decode_s,
+        "tokens_per_second": res.stats.tokens_per_second, "tau": res.stats.accepted_length_mean,
+        "cycles": res.stats.cycles, "sources": res.stats.sources})
 
     by = {(x["round"], x["prompt"], x["config"]): x for x in runs}
     groups = list(dict.fromkeys(p["group"] for p in ps))

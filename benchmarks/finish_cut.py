@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contested_copies import build, prompts, start  # noqa: E402  (the default engines, as generate builds them)
+from contested_copies import build, prompts, rotated_runs, start  # noqa: E402  (the default engines, as generate builds them)
 
 CONFIGS = ("ar", "default", "no-cut")
 
@@ -34,30 +34,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
-    import torch
-
-    from dspine.config import SamplingConfig
-
     target, engines = build(args.threads, ("default", "no-cut"))
     engines["no-cut"].cut_at_finish = lambda req, prop: prop  # the default engine verifying every proposal whole
     ps = prompts(target, [], 0, 0, [w for w in args.workloads.split(",") if w], args.limit)
     mi, commit = start(engines, ps)
-    load0, t0, runs = os.getloadavg()[0], time.time(), []
-    for r in range(args.rounds):
-        for k, p in enumerate(ps):
-            rot = (r + k) % len(CONFIGS)
-            got = {}
-            for label in CONFIGS[rot:] + CONFIGS[:rot]:
-                with torch.no_grad():
-                    res = engines[label].generate(p["ids"], SamplingConfig(), p["max_new_tokens"], stop=p["stop"])
-                got[label] = res
-                st = res.stats
-                runs.append({"round": r, "prompt": p["name"], "group": p["group"], "config": label,
-                             "tokens": st.output_tokens, "decode_s": st.decode_s, "cycles": st.cycles,
-                             "proposed": sum(st.verification_lengths), "token_ids": res.token_ids})
-            same = all(got[c].token_ids == got["ar"].token_ids for c in CONFIGS)
-            for x in runs[-len(CONFIGS):]:
-                x["same_ids"] = same
+    load0, t0 = os.getloadavg()[0], time.time()
+    runs = rotated_runs(engines, ps, args.rounds, CONFIGS, lambda res: {
+        "tokens": res.stats.output_tokens, "decode_s": res.stats.decode_s, "cycles": res.stats.cycles,
+        "proposed": sum(res.stats.verification_lengths)})
     by = {(x["round"], x["prompt"], x["config"]): x for x in runs}
     table = {}
     for g in dict.fromkeys(p["group"] for p in ps):
