@@ -121,9 +121,10 @@ class NgramIndex:
         :meth:`lookup` matched, were followed by different tokens at their two most recent
         earlier occurrences: the text has gone on in more than one way after this suffix,
         so a copy of the most recent way is right far less often (measured on the committed
-        target-written data, 2,740 chat and 2,924 code answers: a first copied token right
-        13% / 22% of the time after a contested one-token match against 49% / 63% after
-        an uncontested repeat, 30% / 36% against 98% for longer matches; docs/decisions.md).
+        target-written data, the first 800 chat and 800 code answers: a first copied token
+        right 13% / 22% of the time after a contested one-token match against 49% / 63%
+        after a repeat followed alike, 30% / 36% against 98% for longer matches;
+        ``benchmarks/contested_offline.py``, docs/decisions.md).
         False when the suffix occurred fewer than two times. Reads committed tokens and the
         anchor only.
 
