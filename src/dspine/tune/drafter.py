@@ -75,8 +75,13 @@ def quantize_drafter(drafter):
 
 
 def _forward(drafter, rows: int = 4, context: int = 64):
-    """A zero-argument callable: one block forward of ``rows`` rows over ``context`` positions."""
+    """A zero-argument callable: one block forward of ``rows`` rows over ``context`` positions.
+
+    ``rows`` is capped at the drafter's block size: a block-2 drafter is timed on the 2 rows
+    it can draft, never on a shape it cannot run.
+    """
     cfg = drafter.cfg
+    rows = max(1, min(int(rows), int(cfg.block_size)))
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(1, context, len(cfg.feature_layers) * cfg.target_hidden, generator=g)
     pos = torch.arange(context)[None]
@@ -119,7 +124,7 @@ def plan_drafter_linears(drafter, kind: str = "auto", *, redo: bool = False, tim
     q8 = quantize_drafter(drafter)
     cfg = drafter.cfg
     key = (f"drafter-linears:lean={getattr(q8, '_lean', None) is not None},d={cfg.target_hidden},L={cfg.num_layers},ffn={cfg.ffn},F={len(cfg.feature_layers)},"
-           f"bridge={cfg.bridge},blockq={source_version()}")
+           f"bridge={cfg.bridge},rows={min(4, cfg.block_size)},blockq={source_version()}")
     choice = choose_fastest(key, {"float32": _forward(drafter), "q8": _forward(q8)}, timer=timer, redo=redo,
                             progress=progress, rounds=3, what="the drafter's linear layers (float32 vs q8 blocks)")
     return (q8 if choice.chosen == "q8" else drafter), choice
