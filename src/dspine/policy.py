@@ -187,25 +187,33 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     if disk_key is not None:
         from .tune import store
 
+        from .tune.conditions import remeasure
+
         hit = store.get(disk_key, str(target.device))
-        if hit is not None:
+        if hit is not None and not remeasure(hit):  # provisional or stale on a now quiet machine: again
             try:
                 curve = CostCurve.from_dict(hit["curve"])
+                curve.meta = {**curve.meta, "cache_key": disk_key,
+                              **{k: hit[k] for k in ("measured_at", "loadavg_1m", "others_cores", "spread",
+                                                     "provisional", "stale") if k in hit}}
                 _COST_CACHE[key] = curve
                 return curve
             except (KeyError, TypeError, ValueError):
                 pass  # an unreadable entry is measured again
+    t_start = time.perf_counter()
     if progress:
         import sys
 
-        from .tune.machine import busy_note
+        from .tune import store
 
+        store.first_use_note(str(target.device))
         print("dspine: measuring the cycle cost curve on this machine (once per target, drafter, dtype, "
               "runtime and linear backend; "
               "cached) ...", file=sys.stderr, flush=True)
-        note = busy_note()
-        if note:
-            print(note, file=sys.stderr, flush=True)
+    from .tune.conditions import LoadMeter, conditions, spread_of
+
+    meter = LoadMeter().__enter__()
+    spreads: list[float] = []
     from .config import SamplingConfig
 
     V = target.vocab_size
@@ -229,6 +237,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
             if r:  # first run is a warm-up
                 ts.append(dt)
         meas[n] = statistics.median(ts)
+        spreads.append(spread_of(ts) or 1.0)
     draft_s = final_row = 0.0
     propose_s = None
     if proposer is not None and n_max > 0:
@@ -246,17 +255,58 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
             prop[n] = statistics.median(d) + statistics.median(f)
         draft_s, final_row = statistics.median(d), statistics.median(f) / n_max  # n = n_max
         propose_s = _interp(prop, n_max)
+    meter.__exit__(None, None, None)
+    # a plain step's repeats decide "repeats disagree" (the median over n of each n's spread)
+    cond = conditions(meter, statistics.median(spreads) if spreads else None)
     curve = CostCurve(_interp(meas, n_max), draft_s, final_row,
                       meta={"context": context, "repeats": repeats, "measured_n": pts,
                             "device": str(target.device), "dtype": str(target.dtype)},
                       propose_s=propose_s)
+    if progress:
+        import sys
+
+        flag = (f"; provisional: {cond['provisional_why']} (measured again on a quiet run; the cost policy "
+                f"corrects it while decoding)" if cond["provisional"] else "")
+        print(f"dspine: ... plain step {meas[0] * 1e3:.1f} ms, {n_max} drafted tokens {curve.cycle_s(n_max) * 1e3:.1f} ms "
+              f"({time.perf_counter() - t_start:.1f} s{flag})", file=sys.stderr, flush=True)
     if use_cache:
         _COST_CACHE[key] = curve
         if disk_key is not None:
             from .tune import store
 
-            store.put(disk_key, {"curve": curve.to_dict()}, str(target.device))
+            store.put(disk_key, {"curve": curve.to_dict(), **cond}, str(target.device))
+            curve.meta = {**curve.meta, "cache_key": disk_key, **cond}
     return curve
+
+
+_STALE_WARNED: set[str] = set()
+
+
+def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
+    """Decoding observed cycles ``ratio`` times the cached curve's cost (median over
+    :attr:`CostModelPolicy.STALE_CYCLES` cycles): warn once on stderr and mark the cache
+    entry stale, so the next run on a quiet machine measures it again
+    (:func:`dspine.tune.conditions.remeasure`). The policy itself already decides on the
+    observed times."""
+    import sys
+
+    key = str(cost.meta.get("cache_key") or "")
+    if key in _STALE_WARNED:
+        return
+    _STALE_WARNED.add(key)
+    when = cost.meta.get("measured_at")
+    load = cost.meta.get("others_cores")
+    how = (f" (measured {when}" + (f" while other processes kept ~{load:.1f} cores busy" if isinstance(load, (int, float)) else "")
+           + ")") if when else ""
+    marked = False
+    if key:
+        from .tune import store
+
+        marked = store.mark_stale(key, f"decoding observed cycles {ratio:.2f}x its cost", cost.meta.get("device", "cpu"))
+    print(f"dspine: note: cycles take {ratio:.2f}x the cached cost curve{how}; the cost policy uses the observed "
+          f"times, and " + ("the curve is measured again by the next run on a quiet machine" if marked else
+                            "the curve was not cached")
+          + "; `dspine tune --redo` on an idle machine measures every choice again", file=sys.stderr, flush=True)
 
 
 def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str | None:
@@ -358,6 +408,9 @@ class CostModelPolicy(VerifyPolicy):
 
     name = "cost"
     MAX_DECISIONS = 4096  # ``decisions`` (recent choices of n) keeps between half and all of this many
+    STALE_CYCLES = 32  # observed cycles whose median time, against the curve's, decides staleness
+    STALE_RATIO = 2.0  # observed / measured beyond this (or below its inverse): the curve is stale
+    STALE_MIN_S = 0.002  # curve values below this are not judged (Python overhead dominates them)
 
     def __init__(self, cost: CostCurve, prior_accept: float = 0.6, prior_weight: float = 2.0,
                  half_life: float = 64.0, global_half_life: float = 1024.0, global_weight_cap: float = 16.0,
@@ -383,6 +436,8 @@ class CostModelPolicy(VerifyPolicy):
         self.profile_key: str | None = None  # set by make_policy(persist=True)
         self.source = source  # only cycles of this proposer source count (None: every cycle)
         self.depth_prior = bool(depth_prior)
+        self._ratios: list[float] = []  # observed / measured of the last STALE_CYCLES judged cycles
+        self.stale_ratio: float | None = None  # set once the curve was found stale
 
     # cycle cost ----------------------------------------------------------------------------
     def observe(self, n: int, seconds: float) -> None:
@@ -395,6 +450,15 @@ class CostModelPolicy(VerifyPolicy):
         self.obs_sum[n] += seconds
         self.obs_w[n] += 1.0
         self._costs = None
+        measured = self.cost.cycle_s(n)
+        if self.stale_ratio is None and measured >= self.STALE_MIN_S:
+            self._ratios.append(seconds / measured)
+            del self._ratios[:-self.STALE_CYCLES]
+            if len(self._ratios) == self.STALE_CYCLES:
+                r = statistics.median(self._ratios)
+                if r > self.STALE_RATIO or r < 1.0 / self.STALE_RATIO:
+                    self.stale_ratio = r
+                    flag_stale_curve(self.cost, r)
 
     def cycle_cost(self, n: int) -> float:
         """Estimated cost (s) of a cycle verifying n proposals: the decayed mean of the

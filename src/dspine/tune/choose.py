@@ -7,6 +7,11 @@ alternative whose warm-up alone is ``cutoff`` times slower than the best so far 
 timed further (an int8 ``_int_mm`` on an AVX2-only CPU takes seconds per call); one that
 raises is recorded as unavailable. A kernel measured much slower than another is thus
 never chosen. Tests inject ``timer`` to check the rule without depending on the CPU.
+
+Each stored result carries the conditions it was measured under (time, load average, the
+cores other processes kept busy, the spread of its rounds; :mod:`dspine.tune.conditions`).
+A result measured on a busy machine, or whose rounds disagree (measured once more first),
+is stored as provisional and measured again by the first later run on a quiet machine.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from . import store
+from .conditions import MAX_SPREAD, LoadMeter, conditions, remeasure, spread_of
 
 
 @dataclass
@@ -64,7 +70,7 @@ def cached_choice(key: str, names, device="cpu") -> Choice | None:
     """The cached :class:`Choice` for ``key`` when it is well-formed (its choice one of
     ``names``, times numbers or None), else None (a damaged entry is measured again)."""
     hit = store.get(key, device)
-    if hit is None:
+    if hit is None or remeasure(hit):  # provisional or stale, and the machine is quiet now
         return None
     chosen, times = hit.get("chosen"), hit.get("times_ms", {})
     if not isinstance(chosen, str) or chosen not in names or not isinstance(times, dict) \
@@ -105,32 +111,45 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
         if hit is not None:
             return hit
     if progress:
-        from .machine import busy_note
-
+        store.first_use_note(device)
         print(f"dspine: measuring {what or key} on this machine (once; cached) ...", file=sys.stderr, flush=True)
-        note = busy_note()
-        if note:
-            print(note, file=sys.stderr, flush=True)
     timer = timer or measure
+    t_start = time.perf_counter()
+    choice, spread, meter = _measure_all(key, alternatives, repeats, cutoff, timer, rounds)
+    if rounds > 1 and spread is not None and spread > MAX_SPREAD:  # the rounds disagree: once more
+        choice, spread, meter = _measure_all(key, alternatives, repeats, cutoff, timer, rounds)
+    cond = conditions(meter, spread)
+    if progress:
+        flag = f"; provisional: {cond['provisional_why']} (measured again on a quiet run)" if cond["provisional"] else ""
+        print(f"dspine: ... {choice.reason} ({time.perf_counter() - t_start:.1f} s{flag})", file=sys.stderr,
+              flush=True)
+    store.put(key, {**{k: v for k, v in choice.to_dict().items() if k not in ("key", "cached")}, **cond}, device)
+    return choice
+
+
+def _measure_all(key, alternatives, repeats, cutoff, timer, rounds) -> tuple[Choice, float | None, LoadMeter]:
+    """One measurement of every alternative (see :func:`choose_fastest`): the choice, the
+    spread of the chosen alternative's rounds, and the load meter that ran beside it."""
     times: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     best = float("inf")
     names = list(alternatives)
     per_round: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(max(1, int(rounds))):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            if name in errors:
-                continue
-            try:
-                s = float(timer(name, alternatives[name], repeats, cutoff * best))
-                if not (s >= 0 and math.isfinite(s)):
-                    raise ValueError(f"measured {s!r} s")
-            except Exception as e:  # an unsupported kernel on this CPU/torch: not a choice
-                times[name], errors[name] = None, f"{type(e).__name__}: {e}"[:200]
-                continue
-            per_round[name].append(s)
-            times[name] = statistics.median(per_round[name]) * 1e3
-            best = min(best, s)
+    with LoadMeter() as meter:
+        for r in range(max(1, int(rounds))):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if name in errors:
+                    continue
+                try:
+                    s = float(timer(name, alternatives[name], repeats, cutoff * best))
+                    if not (s >= 0 and math.isfinite(s)):
+                        raise ValueError(f"measured {s!r} s")
+                except Exception as e:  # an unsupported kernel on this CPU/torch: not a choice
+                    times[name], errors[name] = None, f"{type(e).__name__}: {e}"[:200]
+                    continue
+                per_round[name].append(s)
+                times[name] = statistics.median(per_round[name]) * 1e3
+                best = min(best, s)
     ok = {n: t for n, t in times.items() if t is not None}
     if not ok:
         raise ValueError(f"tune {key}: every alternative failed: {errors}")
@@ -138,6 +157,4 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
     others = sorted((t / ok[chosen], n) for n, t in ok.items() if n != chosen)
     reason = f"{chosen} {ok[chosen]:.2f} ms" + (
         "; " + ", ".join(f"{n} {r:.1f}x slower" for r, n in others) if others else "")
-    choice = Choice(key, chosen, times, reason, False, errors)
-    store.put(key, {k: v for k, v in choice.to_dict().items() if k not in ("key", "cached")}, device)
-    return choice
+    return Choice(key, chosen, times, reason, False, errors), spread_of(per_round[chosen]), meter

@@ -3,7 +3,9 @@
 Prints the machine (CPU model and instruction-set class, threads, torch), then for the
 target and drafter given: the candidate-pass kernel per row bucket with every kernel's
 time, the target's dtype for batched decoding and feature extraction, and the
-verification cost curve the cost policy starts from. ``--redo`` measures everything again; ``--json`` prints one JSON object.
+verification cost curve the cost policy starts from. ``--redo`` measures everything again;
+``--show`` prints what is cached, when and under what load, and measures nothing
+(:mod:`dspine.tune.conditions`); ``--json`` prints one JSON object.
 """
 from __future__ import annotations
 
@@ -17,8 +19,46 @@ def _fmt(times: dict) -> str:
     return ", ".join(f"{k} {f'{v:.2f} ms' if isinstance(v, (int, float)) else 'failed'}" for k, v in times.items())
 
 
+def show(device: str = "cpu", as_json: bool = False) -> int:
+    """``dspine tune --show``: what this machine's cache holds, measured when and under what
+    load, and which entries are provisional or stale (re-measured by the next quiet run).
+    Loads no model and measures nothing."""
+    from . import store
+    from .conditions import untrusted_reason
+    from .machine import describe
+
+    data = store.load(device)
+    entries = data.get("entries", {})
+    if as_json:
+        print(json.dumps({"machine": data.get("machine"), "cache": str(store.path(device)), "entries": entries},
+                         default=str))
+        return 0
+    print(f"machine: {describe(device)}")
+    print(f"cache:   {store.path(device)} ({len(entries)} measurements)")
+    for key in sorted(entries):
+        e = entries[key]
+        if not isinstance(e, dict):
+            continue
+        if "curve" in e and isinstance(e["curve"], dict):
+            v = e["curve"].get("verify_s") or [0.0]
+            what = f"cost curve: plain step {v[0] * 1e3:.1f} ms, {len(v) - 1} drafted {v[-1] * 1e3:.1f} ms (verify)"
+        else:
+            what = str(e.get("reason") or e.get("chosen"))
+        when = e.get("measured_at") or "time not recorded"
+        load = e.get("others_cores")
+        cond = f"{when}, load average {e.get('loadavg_1m', '?')}" + (
+            f", other processes ~{load:.1f} cores" if isinstance(load, (int, float)) else "")
+        why = untrusted_reason(e)
+        print(f"\n{key}\n  {what}\n  measured {cond}" + (f"\n  NOT TRUSTED: {why} (measured again by the next "
+                                                          f"run on a quiet machine)" if why else ""))
+    return 0
+
+
 def cmd_tune(args) -> int:
     import torch
+
+    if args.show:
+        return show(args.device, args.json)
 
     from ..cli import build_engine
     from ..policy import measure_cost
@@ -129,5 +169,8 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0 = torch's own default)")
     p.add_argument("--data-batch", type=positive_int, default=32, help="batch of `dspine data build` to measure at")
     p.add_argument("--redo", action="store_true", help="forget this machine's cached choices and measure again")
+    p.add_argument("--show", action="store_true",
+                   help="print what is cached (when, under what load, which entries are provisional or stale) "
+                        "and exit; measures nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
     p.set_defaults(func=cmd_tune)

@@ -92,6 +92,43 @@ def _write(data: dict, device) -> None:
               f"set DSPINE_HOME to a writable folder to keep them")
 
 
+def mark_stale(key: str, why: str, device="cpu") -> bool:
+    """Mark the cached entry ``key`` stale (re-measured by the next run on a quiet machine,
+    :func:`dspine.tune.conditions.remeasure`); False when there is no such entry."""
+    with _LOCK:
+        data = load(device)
+        e = data["entries"].get(key)
+        if not isinstance(e, dict):
+            return False
+        e["stale"], e["stale_why"] = True, why
+        if enabled():
+            _write(data, device)
+        return True
+
+
+_FIRST_NOTED: set[str] = set()
+
+
+def first_use_note(device="cpu") -> None:
+    """Once per process, when this machine has no measurement cached yet: say on stderr
+    what the first run does and about how long it takes."""
+    from .machine import describe
+
+    if str(device) in _FIRST_NOTED:
+        return
+    _FIRST_NOTED.add(str(device))
+    try:
+        fresh = enabled() and not path(device).exists()
+    except (OSError, ValueError):
+        fresh = False
+    if fresh:
+        import sys
+
+        print(f"dspine: first run on this machine ({describe(device)}): measuring which kernels and settings "
+              f"are fastest here, once (~1-3 min on 2 idle cores, longer on a busy machine); later runs reuse "
+              f"the results (`dspine tune --show` lists them)", file=sys.stderr, flush=True)
+
+
 def clear(device="cpu", prefix: str = "") -> int:
     """Forget the entries whose key starts with ``prefix`` (all by default); returns how many."""
     with _LOCK:

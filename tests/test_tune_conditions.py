@@ -1,0 +1,126 @@
+"""Cached measurements carry their conditions and cannot stay wrong (dspine.tune.conditions).
+
+A measurement taken under load, or whose rounds disagree, is provisional and measured
+again by the first quiet run; a cost curve that decoding finds far off (a stale cache, e.g.
+measured while the machine was busy) is flagged on stderr and marked stale, then measured
+again. ``dspine tune --show`` lists all of it.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspine.policy import _COST_CACHE, CostCurve, CostModelPolicy, _disk_key, measure_cost
+from dspine.target import load_target
+from dspine.tune import conditions, store
+from dspine.tune.choose import cached_choice, choose_fastest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUIET = {"measured_at": "2026-12-04T00:00:00Z", "loadavg_1m": 0.1, "others_cores": 0.0, "spread": 1.0,
+         "provisional": False}
+
+
+def _timer(times):
+    return lambda name, fn, repeats, cap: times[name] / 1e3
+
+
+@pytest.fixture
+def load(monkeypatch):
+    """Set the cores other processes keep busy, as the load meter and ``others_now`` see it."""
+    state = {"cores": 0.0}
+    monkeypatch.setattr(conditions.LoadMeter, "others_cores", property(lambda self: state["cores"]))
+    monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: state["cores"])
+    return state
+
+
+def test_a_measurement_under_load_is_provisional_and_redone_when_quiet(load):
+    load["cores"] = 1.6
+    c = choose_fastest("t:busy", {"a": None, "b": None}, timer=_timer({"a": 5.0, "b": 9.0}), redo=True)
+    e = store.get("t:busy")
+    assert c.chosen == "a" and e["provisional"] and "1.6 cores" in e["provisional_why"]
+    assert e["others_cores"] == 1.6 and e["measured_at"].endswith("Z")
+    assert cached_choice("t:busy", ["a", "b"]) is not None  # still busy: used as it is
+    load["cores"] = 0.1
+    assert cached_choice("t:busy", ["a", "b"]) is None  # quiet now: measured again
+    c = choose_fastest("t:busy", {"a": None, "b": None}, timer=_timer({"a": 9.0, "b": 2.0}))
+    assert c.chosen == "b" and not c.cached and not store.get("t:busy")["provisional"]
+    # a trusted entry is reused, and an entry without conditions (an older cache) is not trusted
+    assert cached_choice("t:busy", ["a", "b"]).cached
+    store.put("t:old", {"chosen": "a", "times_ms": {"a": 1.0}, "reason": ""})
+    assert cached_choice("t:old", ["a"]) is None
+
+
+def test_disagreeing_rounds_are_measured_again_then_provisional(load):
+    calls = []
+
+    def timer(name, fn, repeats, cap):
+        calls.append(name)
+        return (1.0 if len(calls) % 2 else 5.0) / 1e3  # every round disagrees with the last
+    choose_fastest("t:noisy", {"a": None}, timer=timer, redo=True, rounds=2)
+    e = store.get("t:noisy")
+    assert len(calls) == 4 and e["provisional"] and "disagree" in e["provisional_why"]
+
+
+def _stale_cost_fixture(target, scale):
+    """Cache a trusted cost curve for ``target`` ``scale`` times its real cost (4 drafted)."""
+    _COST_CACHE.clear()
+    real = measure_cost(target, None, n_max=4, use_cache=False)
+    key = _disk_key(target, None, 4, 64, 3)
+    fed = CostCurve([v * scale for v in real.verify_s], meta={"device": "cpu"})
+    store.put(key, {"curve": fed.to_dict(), **QUIET})
+    _COST_CACHE.clear()
+    return key, real, fed
+
+
+def test_a_stale_cost_curve_is_caught_while_decoding_and_measured_again(load, capsys):
+    """A cache whose curve is 5x the real cost: the policy sees the observed cycles disagree,
+    warns naming `dspine tune --redo`, marks the entry stale; the next quiet run re-measures."""
+    target = load_target("random:llama")
+    key, real, fed = _stale_cost_fixture(target, 5.0)
+    cached = measure_cost(target, None, n_max=4)
+    assert cached.verify_s == fed.verify_s and cached.meta["cache_key"] == key  # trusted: read as is
+    pol = CostModelPolicy(cached)
+    pol.STALE_MIN_S = 0.0  # the random target's steps are far below the real-target threshold
+    for _ in range(CostModelPolicy.STALE_CYCLES - 1):
+        pol.observe(0, real.verify_s[0])
+    assert pol.stale_ratio is None and not store.get(key).get("stale")  # not yet: too few cycles
+    pol.observe(0, real.verify_s[0])
+    assert pol.stale_ratio == pytest.approx(0.2)
+    err = capsys.readouterr().err
+    assert "0.20x the cached cost curve" in err and "dspine tune --redo" in err
+    assert store.get(key)["stale"]
+    _COST_CACHE.clear()
+    load["cores"] = 1.5  # still busy: the stale curve is kept (measuring now would be no better)
+    assert measure_cost(target, None, n_max=4).verify_s == fed.verify_s
+    _COST_CACHE.clear()
+    load["cores"] = 0.0
+    again = measure_cost(target, None, n_max=4)
+    assert again.verify_s[0] < fed.verify_s[0] / 2  # measured anew
+    assert not store.get(key).get("stale")
+
+
+def test_a_right_curve_is_not_flagged(load, capsys):
+    """Negative control: observed times within 2x of the curve never mark it."""
+    target = load_target("random:llama")
+    key, real, fed = _stale_cost_fixture(target, 1.0)
+    pol = CostModelPolicy(measure_cost(target, None, n_max=4))
+    pol.STALE_MIN_S = 0.0
+    for i in range(3 * CostModelPolicy.STALE_CYCLES):
+        pol.observe(0, real.verify_s[0] * (1.6 if i % 2 else 0.7))
+    assert pol.stale_ratio is None and not store.get(key).get("stale")
+    assert "cost curve" not in capsys.readouterr().err
+
+
+def test_tune_show_lists_conditions(load, capsys):
+    from dspine.cli import main
+
+    load["cores"] = 1.2
+    choose_fastest("t:show", {"a": None}, timer=_timer({"a": 3.0}), redo=True)
+    assert main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "t:show" in out and "other processes ~1.2 cores" in out and "NOT TRUSTED" in out
+    assert main(["tune", "--show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["entries"]["t:show"]["provisional"] is True
