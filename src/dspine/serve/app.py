@@ -8,7 +8,8 @@ cache bytes), ``GET /metrics`` (Prometheus text).
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``:
 400 for an invalid field (named in ``param``), empty or over-long prompt or
 ``max_tokens`` beyond the context; 404 for an unknown model or path; 429 when the
-waiting queue is full; 503 while shutting down.
+waiting queue is full; 503 while shutting down; 401 for a ``/v1/*`` request without an
+accepted API key when the server has keys (``--api-key``, :mod:`dspine.serve.auth`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..batch import BatchEngine
 from ..config import ConfigError, SamplingConfig
 from ..proposers import output_cache_of
 from ..proposers.cache import SCOPES
+from .auth import APIKeys
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, field_of
 from .scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
@@ -50,27 +52,35 @@ def encode_chat(target, messages: list[dict]) -> list[int]:
 
 def tenant_of(request: Request, scope: str) -> str:
     """The tenant of an HTTP request for the cross-request output cache
-    (:mod:`dspine.proposers.cache`): with scope ``key``, a digest of its
-    ``Authorization`` header (requests without one are the tenant ``anonymous``), so one
-    API key never receives copies of another's outputs; with ``global``, every request is
-    the same tenant (share only when all clients may see each other's outputs).
+    (:mod:`dspine.proposers.cache`): with scope ``key``, the tenant the server's API keys
+    name for the request's key (``--api-key``, :mod:`dspine.serve.auth`; set by the auth
+    check) or, on a server without keys, a digest of its ``Authorization`` header (requests
+    without one are the tenant ``anonymous``), so one API key never receives copies of
+    another's outputs; with ``global``, every request is the same tenant (share only when
+    all clients may see each other's outputs).
 
     ``scope`` is validated by :func:`create_app`.
     """
     if scope == "global":
         return ""
+    checked = getattr(request.state, "tenant", None)
+    if checked is not None:
+        return checked
     auth = request.headers.get("authorization")
     return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:24] if auth else "anonymous"
 
 
 def create_app(batch: BatchEngine, model_name: str, max_queue: int = 64, info: dict | None = None,
-               scheduler: Scheduler | None = None, cache_scope: str = "key") -> FastAPI:
+               scheduler: Scheduler | None = None, cache_scope: str = "key",
+               api_keys: APIKeys | None = None) -> FastAPI:
     """Build the app. The scheduler thread starts with the app's lifespan and stops with it
     (running and waiting requests are cancelled then, their state freed).
 
     ``info``: extra fields shown by ``/v1/models`` and ``/health`` (mode, drafter, dtype).
     ``cache_scope``: who shares the proposer's cross-request output cache, if it has one
     (:func:`tenant_of`; ``/health`` shows the cache's counters under ``ngram_cache``).
+    ``api_keys``: with keys, ``/v1/*`` requests without an accepted ``Authorization: Bearer``
+    key get 401 (:mod:`dspine.serve.auth`); None serves everyone.
 
     Raises:
         ValueError: an unknown ``cache_scope``.
@@ -101,6 +111,22 @@ def create_app(batch: BatchEngine, model_name: str, max_queue: int = 64, info: d
     app.state.batch = batch
     app.state.metrics = metrics
     app.state.model_name = model_name
+
+    # -- authentication ----------------------------------------------------------------
+    if api_keys is not None:
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                tenant = api_keys.tenant(request.headers.get("authorization"))
+                if tenant is None:
+                    if request.method == "POST":
+                        _count(request, "unauthorized")
+                    msg = ("missing API key: send 'Authorization: Bearer <key>'"
+                           if not request.headers.get("authorization") else "invalid API key")
+                    return JSONResponse(error_body(msg, "invalid_request_error", None, "invalid_api_key"),
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                request.state.tenant = tenant
+            return await call_next(request)
 
     # -- errors ------------------------------------------------------------------------
     @app.exception_handler(APIError)

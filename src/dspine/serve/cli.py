@@ -56,6 +56,9 @@ def cmd_serve(args) -> int:
         print(f"dspine serve: note: --verify-policy {args.verify_policy} ignored: --mode ar verifies "
               f"no drafted tokens", file=sys.stderr, flush=True)
     args.verify_policy = args.verify_policy or DEFAULT_VERIFY_POLICY
+    from .auth import APIKeys
+
+    api_keys = APIKeys.from_settings(args.api_key, args.api_keys_file)
     sock = bind_socket(args.host, args.port)  # fail fast, before loading models
     target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
                                   args.seed, args.device, verify_policy=args.verify_policy,
@@ -74,7 +77,7 @@ def cmd_serve(args) -> int:
             "draft_tree": engine.tree_info()}
     if args.ngram_cache_tokens:
         info["ngram_cache"] = f"{args.ngram_cache_tokens} tokens, scope {args.ngram_cache_scope}"
-    app = create_app(batch, name, args.max_queue, info, cache_scope=args.ngram_cache_scope)
+    app = create_app(batch, name, args.max_queue, info, cache_scope=args.ngram_cache_scope, api_keys=api_keys)
     port = sock.getsockname()[1]
     print(f"dspine serve: listening on http://{args.host}:{port}", flush=True)
     print(f"dspine serve: model '{name}' = target {args.target} ({target.num_layers} layers, vocab "
@@ -85,6 +88,10 @@ def cmd_serve(args) -> int:
           f"{args.max_running} running requests, queue {args.max_queue}"
           + (f", output cache of {args.ngram_cache_tokens} tokens per --ngram-cache-scope "
              f"{args.ngram_cache_scope}" if args.ngram_cache_tokens else ""), flush=True)
+    print("dspine serve: " + (f"/v1/* needs 'Authorization: Bearer <key>' ({len(api_keys)} key"
+                              f"{'s' if len(api_keys) > 1 else ''}); /health and /metrics are open"
+                              if api_keys else "no API key set: every client is served (--api-key KEY to require one)"),
+          flush=True)
     print("dspine serve: endpoints POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
           "GET /health, GET /metrics; Ctrl-C or SIGTERM stops gracefully", flush=True)
     server = make_server(app, args.shutdown_timeout, args.log_level)
@@ -150,6 +157,13 @@ def add_serve_parser(sub) -> None:
     add_tree_args(p, DEFAULT_SERVE_TREE_BUDGET)  # batched trees run on the lean path (else chains)
     p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's default, one per core)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: "
+                        "$DSPINE_API_KEY, comma-separated, else no key); each key is its own tenant of the "
+                        "output cache")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="keys to accept, one 'KEY [TENANT]' per line: keys naming the same TENANT share its "
+                        "output cache")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 

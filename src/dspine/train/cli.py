@@ -33,7 +33,9 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     ``vocab``: a draft vocabulary for the candidate pass (:mod:`dspine.draft_vocab`; None = all).
 
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
-    "n_<set>": prompts}``. Prompts come from :func:`dspine.data.sources.heldout_prompts`
+    "row_accept_<set>": [...], "row_conditional_<set>": [...], "n_<set>": prompts}``, where
+    ``row_accept[k-1]`` is the share of cycles verifying row k that accepted it (with a chain,
+    rows < k were accepted too) and ``row_conditional[k-1]`` that share given row k-1 accepted. Prompts come from :func:`dspine.data.sources.heldout_prompts`
     (never trained on).
     """
     from ..data.build import encode_record
@@ -51,6 +53,8 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
         prompts = heldout_prompts(s, n)
         emitted = cycles = 0
         per, by_src, nodes = [], {}, []
+        acc_k: list[float] = []  # per row k: cycles that accepted row k (pooled over prompts)
+        drafted_k: list[int] = []  # per row k: cycles that drafted (verified) row k
         it = prompts
         if progress:
             from tqdm.auto import tqdm
@@ -63,6 +67,13 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
             emitted += round(st.accepted_length_mean * st.cycles)  # tokens emitted by cycles
             cycles += st.cycles
             per.append(round(st.accepted_length_mean, 3))
+            for k, rate in enumerate(st.accepted_per_position):
+                d = sum(1 for v in st.verification_lengths if v > k)
+                while len(acc_k) <= k:
+                    acc_k.append(0.0)
+                    drafted_k.append(0)
+                acc_k[k] += rate * d
+                drafted_k[k] += d
             nodes.extend(st.tree_nodes)
             for src, d in st.sources.items():
                 agg = by_src.setdefault(src, {"cycles": 0, "proposed": 0, "accepted": 0, "emitted": 0})
@@ -73,6 +84,12 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
             res[f"sources_{s}"] = {k: {**d, "tau": round(d["emitted"] / max(1, d["cycles"]), 4)}
                                    for k, d in by_src.items()}
         res[f"tau_{s}_per_prompt"] = per
+        # row k accepted among cycles that verified it (a chain: rows < k accepted too), and the
+        # conditional rate given row k-1 accepted (row 1: given the anchor)
+        rates = [round(a / d, 4) if d else None for a, d in zip(acc_k, drafted_k)]
+        res[f"row_accept_{s}"] = rates
+        res[f"row_conditional_{s}"] = [r if k == 0 or not rates[k - 1] or r is None else round(r / rates[k - 1], 4)
+                                       for k, r in enumerate(rates)]
         res[f"n_{s}"] = len(prompts)
         res["draft_tree"] = eng.tree_info()
         if nodes:
