@@ -124,3 +124,29 @@ def test_tune_show_lists_conditions(load, capsys):
     assert main(["tune", "--show", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["entries"]["t:show"]["provisional"] is True
+
+
+def test_first_run_says_what_it_does_and_json_stays_clean(tmp_path):
+    """A fresh DSPINE_HOME (tuning on, kernels shared with the usual home so none is rebuilt):
+    stderr names the first run and each measurement with its time; stdout is one JSON object."""
+    import os
+    import subprocess
+    import sys
+
+    from dspine.assets import dspine_home
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (dspine_home() / "kernels").mkdir(parents=True, exist_ok=True)
+    (home / "kernels").symlink_to(dspine_home() / "kernels")
+    env = {**os.environ, "DSPINE_HOME": str(home), "DSPINE_TUNE": "on"}
+    p = subprocess.run([sys.executable, "-m", "dspine.cli", "generate", "def f(x):", "--target", "random:llama",
+                        "--drafter", "random", "--max-new-tokens", "4", "--json", "--threads", "1"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)  # the whole of stdout: one object
+    assert out["mode"] == "dspine" and len(out["token_ids"]) == 4
+    assert "first run on this machine" in p.stderr and "dspine tune --show" in p.stderr
+    assert "dspine: measuring" in p.stderr and " s)" in p.stderr  # each measurement closes with its time
+    again = subprocess.run(p.args, capture_output=True, text=True, env=env, timeout=600)
+    assert "first run on this machine" not in again.stderr  # the cache exists now

@@ -74,6 +74,9 @@ def kernels(progress: bool = True):
         lock.unlink(missing_ok=True)
     first = not any(build.glob("*.so"))
     if first and progress:
+        from ..tune.store import first_use_note
+
+        first_use_note()
         print("dspine: compiling the blockq linear kernels for this machine and torch install (once; "
               "~40 s-1 min)", file=sys.stderr, flush=True)
     try:

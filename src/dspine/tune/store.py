@@ -124,9 +124,10 @@ def first_use_note(device="cpu") -> None:
     if fresh:
         import sys
 
-        print(f"dspine: first run on this machine ({describe(device)}): measuring which kernels and settings "
-              f"are fastest here, once (~1-3 min on 2 idle cores, longer on a busy machine); later runs reuse "
-              f"the results (`dspine tune --show` lists them)", file=sys.stderr, flush=True)
+        print(f"dspine: first run on this machine ({describe(device)}): compiling kernels and measuring which "
+              f"kernels and settings are fastest here, once (~1-3 min on 2 idle cores, several times that on a "
+              f"busy machine); later runs reuse the results (`dspine tune --show` lists them)",
+              file=sys.stderr, flush=True)
 
 
 def clear(device="cpu", prefix: str = "") -> int:
