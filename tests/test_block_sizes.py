@@ -89,3 +89,17 @@ def test_tune_measures_only_rows_the_drafter_has(block):
 def test_block_size_one_is_refused_by_name():
     with pytest.raises(ConfigError, match="block-size"):
         DSpineConfig(block_size=1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_dspine_tune_runs_for_a_block_2_drafter(capsys, tmp_path, target):
+    """``dspine tune`` with a block-2 checkpoint on dense and hybrid targets (the hybrid's
+    batched-decoding dtype measurement once died: its recurrent cache cannot crop)."""
+    from dspine.draft import random_drafter, save_drafter
+    from dspine.target import load_target
+
+    path = save_drafter(random_drafter(load_target(target), "dspine", 2), tmp_path / "d2")
+    assert main(["tune", "--target", target, "--drafter", str(path), "--json", "--data-batch", "4"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["cost_curve_ms"]["verify"]) == 2  # n = 0 and n = 1: all a block of 2 drafts
+    assert set(rep["batched_dtype"]) == {"data build decode step", "feature extraction forward"}

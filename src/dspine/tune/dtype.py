@@ -32,11 +32,21 @@ def _alternative(model, dtype: torch.dtype, ids: torch.Tensor, decode: bool):
         past, step = out.past_key_values, ids[:, -1:]
         L = ids.shape[1]
 
-        def run():
+        def step_on(cache):
             with torch.no_grad(), cpu_speed_patches(m):
-                m(input_ids=step, past_key_values=past, use_cache=True, logits_to_keep=1,
+                m(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1,
                   position_ids=torch.full_like(step, L))
-                past.crop(-1)  # back to the prefill: every timed step sees the same cache
+
+        try:
+            step_on(past)
+            past.crop(-1)  # back to the prefill: every timed step sees the same cache
+        except RuntimeError:  # a recurrent (Gated-DeltaNet) layer cannot crop: step on a copy
+            saved = copy.deepcopy(past)
+            return lambda: step_on(copy.deepcopy(saved))  # the copy's time counts for both dtypes alike
+
+        def run():
+            step_on(past)
+            past.crop(-1)
         return run
 
     def run():
