@@ -1,7 +1,7 @@
 """Shared fixtures and helper proposers for the runtime tests.
 
 Fixtures:
-    smol     -- the real default target (SmolLM2-135M, float32), loaded once per session.
+    smol     -- the real default target (SmolLM2-135M, float32), loaded once per test run.
     tiny     -- a seeded random:llama target (vocab 8, hidden 64, 4 layers) whose
                 next-token distributions are far from uniform; EOS switched off so
                 every output has the requested length (distribution tests).

@@ -1,4 +1,4 @@
-"""BatchEngine: batched verification with ragged accepted lengths (issue 6).
+"""BatchEngine: batched verification with ragged accepted lengths.
 
 Tiny random llama target (ByteTokenizer, float32); the reference is always the
 single-request engine (``Engine(target, None, "ar")`` for greedy).

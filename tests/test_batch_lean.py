@@ -82,7 +82,7 @@ def test_batched_greedy_on_the_lean_path_equals_the_single_request_engine(smol_l
 
 
 def test_ragged_tree_forward_is_bitwise_each_requests_own_tree_forward(smol_lean, monkeypatch):
-    """Draft trees in the batch (issue 21 item 4): a tree request's nodes sit at their depths
+    """Draft trees in the batch: a tree request's nodes sit at their depths
     and see only their ancestors, packed beside a chain request, split over calls of a few
     rows; each request's logits and features are bitwise its own one-request forward (chain,
     or tree with the tree mask). Negative control: the tree read causally differs."""

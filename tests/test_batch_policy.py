@@ -64,7 +64,7 @@ class _SrcCycle(_Cycle):
 
 
 def test_hybrid_requests_are_priced_by_their_own_source():
-    """A hybrid batch (session 22): requests copying their prompt (source ``ngram``, whose
+    """A hybrid batch (2026-12-03): requests copying their prompt (source ``ngram``, whose
     copies were accepted whole) are priced by the copy policy's record and without drafter
     cost, so the batch verifies their copies, while the drafter's record (nothing accepted)
     alone would take plain steps (negative control: no ``sources``). Drafting requests

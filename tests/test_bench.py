@@ -377,7 +377,7 @@ def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
 
 def test_smoke_cli(tmp_path):
     """``dspine bench --smoke`` on the real default target and shipped drafters (in CI, as
-    issue 4 asks; its wall time is recorded in summary.json, not asserted here). Two
+    the benchmark asks; its wall time is recorded in summary.json, not asserted here). Two
     threads (the smoke's default is one) halve this test's ~2.3 min on a 2-core CPU."""
     assert main(["bench", "--smoke", "--out", str(tmp_path), "--no-progress", "--threads", "2"]) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -423,7 +423,7 @@ def test_verify_policy_reaches_the_drafter_modes(tmp_path, one_thread):
 def test_drafter_modes_run_as_generate_builds_them(tiny_target, one_thread):
     """The bench's drafter modes get generate's engine: the cost policy and the draft tree
     are given when the engine is built, so a tree sized by the cost curve and the tree gate
-    exist (assigned afterwards, as before session 25, both were silently off), and the
+    exist (assigned afterwards, as before 2026-12-04, both were silently off), and the
     drafter settings reach the drafter and the mode's info."""
     from dspine.bench.runners import make_runner
     from dspine.trees.tree import TreeSpec
@@ -473,7 +473,7 @@ def test_git_dirty_ignores_the_runs_own_out_dir(tmp_path):
 
 def test_edit_workload_check():
     """The copy-heavy ``edit`` workload: the reference solution passes its check, a wrong
-    body and an answer without the function fail (issue 20)."""
+    body and an answer without the function fail."""
     from dspine.bench.checks import check_edit
     from dspine.data.sources import load_humaneval
 
@@ -487,7 +487,7 @@ def test_edit_workload_check():
 
 
 def test_convert_workload_check(tiny_target):
-    """The copy-heavy ``convert`` workload (issue 20): rows disjoint from ``tools``, the
+    """The copy-heavy ``convert`` workload: rows disjoint from ``tools``, the
     prompt carries its JSON document, and the check accepts YAML (or JSON, a YAML subset)
     of the same document and rejects another document and unparseable text."""
     import yaml

@@ -1,4 +1,4 @@
-"""The llama.cpp peer of ``dspine bench`` (dspine.bench.llama_cpp, issue 22 item 3).
+"""The llama.cpp peer of ``dspine bench`` (dspine.bench.llama_cpp).
 
 Most tests drive a fake ``llama-server`` (a small Python HTTP server speaking the same
 endpoints) so the client, the fairness rules and the report are tested without a

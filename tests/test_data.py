@@ -421,7 +421,7 @@ def test_refused_build_leaves_existing_and_parent_folders_as_found(tiny, tmp_pat
 def test_pack_resume_and_load(tiny, tmp_path):
     """`dspine data pack` gzips shards in place (sha256 in the manifest); a later build
     --resume appends a new plain shard after them, skipping the packed ids; loading reads
-    both, and a packed shard whose bytes changed is refused by name (issue 23)."""
+    both, and a packed shard whose bytes changed is refused by name."""
     out = tmp_path / "ds"
     B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 5))], out, max_new_tokens=6, batch_size=2,
                     progress=False)

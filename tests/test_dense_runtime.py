@@ -1,4 +1,4 @@
-"""The dense target runtime (dspine.runtime.dense, issue 22): logits and features against
+"""The dense target runtime (dspine.runtime.dense): logits and features against
 transformers' forward (float32: bit-identical; bfloat16: within rounding), cache growth and
 rollback, which targets it refuses and why, greedy equality with ``ar`` on the real target
 (single and batched engine), and the exact sampled distribution by enumeration with a

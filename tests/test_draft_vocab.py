@@ -1,4 +1,4 @@
-"""The drafter's draft vocabulary (dspine.draft_vocab, ``--draft-vocab``; issue 23 item 4).
+"""The drafter's draft vocabulary (dspine.draft_vocab, ``--draft-vocab``).
 
 The candidate pass then scores only the subset's rows of the head and maps its columns back
 to target ids. The drafter only proposes, so the output must stay the target's: greedy

@@ -1,4 +1,4 @@
-"""`dspine export` (issue 24): the z-lab DFlash format vLLM and llama.cpp serve.
+"""`dspine export`: the z-lab DFlash format vLLM and llama.cpp serve.
 
 The format checks (names, shapes, config keys) follow what vLLM's ``qwen3_dflash.py``
 loads and llama.cpp's ``conversion/qwen.py`` converts. Exactness: the exported folder,
@@ -201,7 +201,7 @@ def test_engine_target_folder_has_the_weights_dspine_decodes_with(tmp_path):
 
 
 def test_cli_refusals_leave_nothing_behind(tmp_path, capsys, monkeypatch):
-    """Adversarial findings (session 15): layers the target lacks, a mask token the target
+    """Adversarial findings (2026-12-02): layers the target lacks, a mask token the target
     writes, an --out that is a file, a missing --target-dir; and a failed export leaves no
     partial output."""
     from dspine.model import DSpineDrafter

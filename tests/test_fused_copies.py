@@ -1,4 +1,4 @@
-"""Copies fused into the DSpine final stage (issue 20 item 3, ``--copy-bonus``).
+"""Copies fused into the DSpine final stage (``--copy-bonus``).
 
 - :func:`inject_copy` / :func:`copy_bonus` place the copied tokens among the candidates
   (own slot when present, else the last-ranked one) and raise exactly the scores of

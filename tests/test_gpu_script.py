@@ -1,4 +1,4 @@
-"""scripts/gpu_train.sh (issue 23 item 5) end to end on the CPU in a tiny setting: data
+"""scripts/gpu_train.sh end to end on the CPU in a tiny setting: data
 build, packing, training, and results that fit the device limits and unpack into a
 loadable drafter and a loadable data directory."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_gpu_script_runs_end_to_end_on_cpu_within_the_device_limits(tmp_path):
     assert all(p.stat().st_size <= 16 << 20 for p in files)
     names = {p.name for p in files}
     assert {"data.tar", "metrics.jsonl", "run.log", "SHA256SUMS", "drafter.tar.part00"} <= names
-    for line in (out / "SHA256SUMS").read_text().splitlines():  # what a session checks after the transfer
+    for line in (out / "SHA256SUMS").read_text().splitlines():  # what the caller checks after the transfer
         digest, name = line.split()
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
 

@@ -1,7 +1,7 @@
-"""The package has no import circles (issue 20: each module one concern, layered).
+"""The package has no import circles (each module one concern, layered).
 
 Every import counts, those inside functions too: a lazy import that closes a circle
-still ties two modules to each other. Fails on the tree before session 12 (target <->
+still ties two modules to each other. Fails on the tree before 2026-12-01 (target <->
 hybrid, data build <-> cli <-> text, bench harness <-> report).
 """
 from __future__ import annotations

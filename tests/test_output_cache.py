@@ -1,4 +1,4 @@
-"""The cross-request output cache of the copy proposer (issue 20 item 2).
+"""The cross-request output cache of the copy proposer.
 
 - the index equals a brute-force search over the tenant's stored outputs (longest suffix
   match in min_match..max_ngram, most recent occurrence, continuation within its entry);

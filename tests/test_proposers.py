@@ -1,4 +1,4 @@
-"""Tests of dspine.proposers: the n-gram (copy) proposer and the hybrid (issue 20).
+"""Tests of dspine.proposers: the n-gram (copy) proposer and the hybrid.
 
 - the n-gram index equals a brute-force search (longest suffix match, most recent
   earlier occurrence, its continuation), incrementally and after a rollback;

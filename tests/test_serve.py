@@ -1,4 +1,4 @@
-"""OpenAI-compatible server over the batched engine (issue 6).
+"""OpenAI-compatible server over the batched engine.
 
 Servers run in-process (uvicorn in a thread) on 127.0.0.1 with a free port, except
 one ``dspine serve`` subprocess test (start-up line, SIGTERM, --max-running guard).

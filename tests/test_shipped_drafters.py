@@ -1,10 +1,10 @@
-"""Losslessness with the *trained* drafters that the defaults ship (issue 3).
+"""Losslessness with the *trained* drafters that the defaults ship.
 
 The core greedy-equality and distribution tests (test_greedy_equality.py,
 test_distribution.py) use random and oracle drafters on which acceptance is
 controlled; here the same properties are checked with the shipped checkpoints
 ``src/dspine/checkpoints/smollm2-135m-{dspine,dflash,dflash-engine}`` on the real default
-target (``dflash-engine``: the engine-compatible DFlash-style drafter, issue 24):
+target (``dflash-engine``: the engine-compatible DFlash-style drafter):
 
 * greedy output equals the plain ``ar`` loop token for token, and the trained drafter
   really gets proposals accepted (so the accept path ran, not only corrections);

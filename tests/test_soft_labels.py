@@ -1,4 +1,4 @@
-"""Soft labels (``dspine train --soft-labels K``, issue 23): the target's own top-K
+"""Soft labels (``dspine train --soft-labels K``): the target's own top-K
 next-token distribution from the feature forward, mixed into each row's CE."""
 from __future__ import annotations
 

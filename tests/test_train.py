@@ -1,4 +1,4 @@
-"""Training pipeline: losses, resume, data-parallel equivalence, bad input (issue 3)."""
+"""Training pipeline: losses, resume, data-parallel equivalence, bad input."""
 from __future__ import annotations
 
 import os
@@ -258,7 +258,7 @@ def test_two_process_training_matches_one_process(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_training_runs_on_hybrid_targets(tmp_path, arch):
-    """Smoke: features come from Gated-DeltaNet hybrids like from dense targets (issue 5)."""
+    """Smoke: features come from Gated-DeltaNet hybrids like from dense targets."""
     tg = load_target(f"random:{arch}", vocab_size=256)
     tr = Trainer(tg, _cfg(tg), _seqs(n=4, length=40), tmp_path, _tc(steps=2, batch_size=2, max_len=40))
     rec = [tr.train_step() for _ in range(2)]
@@ -578,7 +578,7 @@ def test_feature_store_uses_the_training_windows(tmp_path):
 
 
 def test_init_from_adapts_only_towards_engine_compatible(tmp_path):
-    """Warm start across the engine-compatible change (issue 24): a DFlash-style checkpoint
+    """Warm start across the engine-compatible change: a DFlash-style checkpoint
     into an --engine-compatible run copies the shared tensors and starts the q/k norms at
     one; the reverse (which would drop trained q/k norms) is refused."""
     from dataclasses import replace as dc_replace

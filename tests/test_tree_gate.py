@@ -1,4 +1,4 @@
-"""Tree or chain by measured rate (dspine.trees.gate, issue 21, session 22).
+"""Tree or chain by measured rate (dspine.trees.gate, 2026-12-03).
 
 - with injected cycle times the gate drafts the kind with the higher tokens per second, keeps
   exploring the other one, follows a change, and keeps sources apart;

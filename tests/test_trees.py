@@ -1,4 +1,4 @@
-"""Draft trees (issue 21): construction, the tree forward, verification, exactness.
+"""Draft trees: construction, the tree forward, verification, exactness.
 
 Exactness is proven the way the chain's is (``tests/test_distribution.py``, ``tests/
 test_greedy_equality.py``): greedy output equal to ``ar`` on the real target and on random

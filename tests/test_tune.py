@@ -1,4 +1,4 @@
-"""Measured kernel and dtype choices (issue 19): the choice rule with injected timings,
+"""Measured kernel and dtype choices: the choice rule with injected timings,
 the per-machine cache, the candidate pass per row bucket, the batched-forward dtype,
 and the cost policy's persisted profile and bounded exploration.
 

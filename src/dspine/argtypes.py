@@ -15,7 +15,7 @@ PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
 #: proposer and cost policy in benchmarks/tree_size.json (AVX2 AMD EPYC; docs/decisions.md
 #: "Per-cycle tree size"); ``acceptance`` defaults to chains (0)
 DEFAULT_TREE_BUDGET = 16
-DEFAULT_SERVE_TREE_BUDGET = 16  # `dspine serve` (measured: docs/decisions.md, session 22)
+DEFAULT_SERVE_TREE_BUDGET = 16  # `dspine serve` (measured: docs/decisions.md, 2026-12-03)
 #: ``--tree-size``: ``fixed`` verifies every node the budget allows; ``cost`` the best-first
 #: prefix with the most expected tokens per second (dspine.trees.sizer)
 TREE_SIZES = ("fixed", "cost")

@@ -1,4 +1,4 @@
-"""Batched speculative decoding over many requests (continuous batching, issue 6).
+"""Batched speculative decoding over many requests (continuous batching).
 
 :class:`BatchEngine` wraps an :class:`~dspine.engine.Engine` and advances every
 running request by one draft -> verify -> commit cycle per :meth:`BatchEngine.step`,
@@ -21,7 +21,7 @@ freed when the batch empties.
 
 On the lean decode path (a dense-runtime target on the blockq kernels) the forward is
 instead every request's own inputs packed without padding (:mod:`dspine.batch_lean`), and
-a request may verify a **draft tree** (the engine's tree budget, issue 21): its nodes
+a request may verify a **draft tree** (the engine's tree budget): its nodes
 write columns ``L_i + 1..``, sit at their depths and see their ancestors; after
 verification the accepted path's K/V move to consecutive columns
 (:meth:`SlotKV.keep_rows`). Off the lean path a tree budget drafts chains.

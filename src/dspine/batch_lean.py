@@ -1,4 +1,4 @@
-"""The batched engine's verification forward on the lean decode path (issues 21 and 22).
+"""The batched engine's verification forward on the lean decode path.
 
 Every running request's inputs of a cycle (its anchor and its proposals: a chain, or a
 flattened draft tree, :class:`dspine.trees.DraftTree`) are packed without padding into

@@ -31,7 +31,7 @@ second::
   from the policy of the source its proposer planned for this cycle (``request.source``, set
   before any draw): a request copying its prompt is accepted far more often than the
   drafter's block, and pricing it with the drafter's statistics kept the batch from
-  verifying copies at all (session 22).
+  verifying copies at all (2026-12-03).
 
 Non-anticipating (exactness, spec section 5): n depends on completed cycles, the cycle
 counter and measured times only, never on this cycle's draws.

@@ -1,6 +1,6 @@
 """Command-line entry ``dspine`` (generate, and the subcommands other modules add).
 
-Contract of ``dspine generate`` (issue 2): streams text to stdout; ``--json`` prints
+Contract of ``dspine generate``: streams text to stdout; ``--json`` prints
 one JSON object with ``text``, ``token_ids``, ``mode`` and ``stats``. Bad settings
 exit with code 2 and a one-line error naming the setting.
 """
@@ -18,9 +18,9 @@ from .argtypes import (DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonne
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
 #: off on this machine (plain target steps where none do), so the default never runs
-#: far slower than ``--mode ar`` (issue 19; docs/decisions.md).
+#: far slower than ``--mode ar`` (docs/decisions.md).
 DEFAULT_VERIFY_POLICY = "cost"
-#: ``generate`` / ``serve`` / ``bench`` default proposer (issue 20; docs/decisions.md)
+#: ``generate`` / ``serve`` / ``bench`` default proposer (docs/decisions.md)
 DEFAULT_PROPOSER = "hybrid"
 
 

@@ -154,7 +154,7 @@ def dflash_flags() -> dict:
 def engine_compatible_flags() -> dict:
     """Overrides that, on top of :func:`dflash_flags`, make a DFlash-style drafter exactly
     the z-lab DFlash architecture that vLLM (``DFlashDraftModel``) and llama.cpp
-    (``dflash``) run: per-head q/k RMSNorm, no per-row embedding (issue 24)."""
+    (``dflash``) run: per-head q/k RMSNorm, no per-row embedding."""
     return dict(qk_norm=True, row_embedding=False)
 
 

@@ -1,6 +1,6 @@
 """Drafter checkpoints: save, load and validate against a target; random drafters.
 
-The run-time proposers moved to :mod:`dspine.proposers` (session 12); their names are
+The run-time proposers moved to :mod:`dspine.proposers` (2026-12-01); their names are
 re-exported here for existing imports.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The drafter's reduced draft vocabulary (issue 23 item 4; EAGLE-3's ``d2t`` idea).
+"""The drafter's reduced draft vocabulary (EAGLE-3's ``d2t`` idea).
 
 Training pushes the drafter's scores only over the most frequent response tokens
 (``dspine train --vocab-subset``, 8,192 of SmolLM2's 49,152 by default), yet the final

@@ -107,7 +107,7 @@ def conditional_tables(drafter: DSpineDrafter, h_pre: torch.Tensor, r: torch.Ten
 
 
 def inject_copy(cand: torch.Tensor, copy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Make a copied continuation's tokens candidates (issue 20: fuse the copy into the chain).
+    """Make a copied continuation's tokens candidates (fuse the copy into the chain).
 
     cand [n, K] int64 candidates of rows 1..n; copy [m] int64 the copied continuation
     (c_1 proposed for row 1, ...). For rows i < min(n, m): ``c_i`` keeps its slot when it
@@ -146,7 +146,7 @@ def copy_bonus(T: torch.Tensor, slot: torch.Tensor, bonus: float) -> torch.Tenso
 
 def fused_tables(drafter: DSpineDrafter, h_pre: torch.Tensor, r: torch.Tensor, c: torch.Tensor,
                  anchor: torch.Tensor, cand: torch.Tensor, copies: list, bonus: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`conditional_tables` with copied continuations fused in (issue 20 item 3).
+    """:func:`conditional_tables` with copied continuations fused in.
 
     Same inputs as :func:`conditional_tables` (cand [b, n, K]) plus ``copies``: per batch
     element a list of copied token ids or None. Each copy is injected into that element's

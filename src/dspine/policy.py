@@ -402,7 +402,7 @@ class CostModelPolicy(VerifyPolicy):
             counts every cycle. :class:`PerSourcePolicy` keeps one policy per source.
         depth_prior: the prior of position j > 1 is the estimate at position j - 1
             (:meth:`confidence`); False (the default): ``prior_accept`` at every position.
-            Measured in session 26 and not adopted: 0.91-1.10x the default over three runs,
+            Measured on 2026-12-04 and not adopted: 0.91-1.10x the default over three runs,
             edits slower in all three (``benchmarks/contested_copies.py``, docs/decisions.md).
     """
 
@@ -517,7 +517,7 @@ class CostModelPolicy(VerifyPolicy):
         j > 1, so positions rarely verified inherit what the shallower ones showed (a copy
         accepted 19 times in 20 at positions 1-3 is then priced as likely right at position
         4, where the flat prior keeps it at 3-token verifications; not the default: no
-        consistent gain in time, docs/decisions.md, session 26)."""
+        consistent gain in time, docs/decisions.md, 2026-12-04)."""
         out = []
         prior = self.prior_accept
         for k in range(n_max):
@@ -630,7 +630,7 @@ class CostModelPolicy(VerifyPolicy):
 
 
 class PerSourcePolicy(VerifyPolicy):
-    """One :class:`CostModelPolicy` per proposer source (issue 20's hybrid).
+    """One :class:`CostModelPolicy` per proposer source (the copy-or-draft hybrid).
 
     A copied continuation and a drafter's block are accepted at very different rates and
     cost differently (a copy needs no drafter forward), so each source keeps its own

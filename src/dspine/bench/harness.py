@@ -66,8 +66,8 @@ class BenchConfig:
     drafters: dict = field(default_factory=dict)  # mode -> checkpoint dir | "random"
     block_size: int | None = None  # random drafters only
     pld_tokens: int = 10
-    verify_policy: str = "cost"  # verification-length policy of the drafter modes (issue 19)
-    proposer: str = "hybrid"  # what dflash / dspine propose with (issue 20): drafter | ngram | hybrid
+    verify_policy: str = "cost"  # verification-length policy of the drafter modes
+    proposer: str = "hybrid"  # what dflash / dspine propose with: drafter | ngram | hybrid
     linear_backend: str = "auto"  # the shared target's linears (dspine.runtime.packed), every mode alike
     runtime: str = "auto"  # the shared target's forward (dspine.runtime.select); hf/hf-pld run transformers' generate
     tree_budget: int = DEFAULT_TREE_BUDGET  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains

@@ -1,4 +1,4 @@
-"""llama.cpp as a benchmark peer (issue 22 item 3): ``llama-server`` on a GGUF of the target.
+"""llama.cpp as a benchmark peer: ``llama-server`` on a GGUF of the target.
 
 Two modes, both optional (they need a llama.cpp build; nothing here is installed with dspine):
 

@@ -18,11 +18,11 @@ Workloads (``name``: source, default output budget):
 * ``tools``: BFCL first turns with their function schemas in a system message
   (4 per category: 16), 256 new tokens; the output must parse as a call (or a list of
   calls) to an offered function with schema-valid arguments.
-* ``edit``: a code edit (copy-heavy, issue 20): a HumanEval function with its reference
+* ``edit``: a code edit (copy-heavy): a HumanEval function with its reference
   solution (every 4th task from the third: 41, none of them in ``code``), to be returned
   with type hints and otherwise unchanged, chat template, 320 new tokens; the function
   in the answer's code block must still pass the task's tests.
-* ``convert``: a format conversion (copy-heavy, issue 20): one BFCL function schema
+* ``convert``: a format conversion (copy-heavy): one BFCL function schema
   (JSON, indented) to be rewritten as YAML (4 per category from the second row on: 16,
   none of them in ``tools``), chat template, 384 new tokens; the answer's YAML must load to
   the same document.

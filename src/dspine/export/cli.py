@@ -1,6 +1,6 @@
 """``dspine export``: a drafter (or the target) in the formats serving engines read.
 
-Formats (issue 24):
+Formats:
 
 - ``dflash``: the z-lab DFlash folder vLLM (``speculative_config={"method": "dflash"}``)
   loads; the drafter must be DFlash-style and ``--engine-compatible``.

@@ -1,4 +1,4 @@
-"""The z-lab DFlash checkpoint format that vLLM and llama.cpp serve (issue 24).
+"""The z-lab DFlash checkpoint format that vLLM and llama.cpp serve.
 
 A DFlash-style dspine drafter trained with ``--engine-compatible`` (per-head q/k RMSNorm,
 no per-row embedding; :func:`dspine.config.engine_compatible_flags`) *is* the z-lab DFlash

@@ -1,4 +1,4 @@
-"""Files the serving engines need beside an exported drafter (issue 24).
+"""Files the serving engines need beside an exported drafter.
 
 - :func:`write_engine_target`: the target as a standard Hugging Face folder that vLLM and
   llama.cpp's converter load (``architectures`` set, ``model.embed_tokens.weight``

@@ -1,4 +1,4 @@
-"""Proposers: everything that proposes tokens for the target to verify (issue 20).
+"""Proposers: everything that proposes tokens for the target to verify.
 
 - :mod:`.base`: the interface (:class:`Proposer`, :class:`Proposal`, :class:`Plan`);
 - :mod:`.drafter`: the learned DSpine and DFlash-style drafters;

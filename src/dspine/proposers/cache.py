@@ -1,4 +1,4 @@
-"""A cross-request cache of earlier outputs for copy proposals (issue 20 item 2).
+"""A cross-request cache of earlier outputs for copy proposals.
 
 Requests of one user often repeat each other: the same tool-call scaffolding, the same
 boilerplate, the same answer to a resent question. SuffixDecoding (Oliaro et al.,

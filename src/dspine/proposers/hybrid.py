@@ -1,6 +1,6 @@
 """The hybrid proposer: a copied continuation where the context repeats, the drafter elsewhere.
 
-A learned drafter and a copy-based proposer win on different text (issue 20): copies
+A learned drafter and a copy-based proposer win on different text: copies
 are right for long stretches where the answer repeats the prompt (code edits, tool
 calls, format conversion), the drafter on new text. Each cycle :meth:`HybridProposer.plan`
 looks the context's suffix (anchor included) up in the request's n-gram index
@@ -61,7 +61,7 @@ class HybridProposer(Proposer):
             apart by the cost policy. Off by default: such copies are right far less often
             (13-36% of first tokens against 49-98%, measured offline), yet pricing them apart
             changed decode speed by no more than the noise (0.96-1.07x on five workloads in
-            four runs, ``benchmarks/contested_copies.py``, docs/decisions.md, session 26):
+            four runs, ``benchmarks/contested_copies.py``, docs/decisions.md, 2026-12-04):
             the cost policy already verifies few of them.
         fuse_bonus: when set (``--copy-bonus``) and the drafter has a final stage, a cycle
             that drafts while a copy is on offer becomes source ``fused``: the copied

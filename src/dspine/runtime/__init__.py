@@ -1,4 +1,4 @@
-"""Target runtime speed-ups that keep the target's arithmetic (issue 22).
+"""Target runtime speed-ups that keep the target's arithmetic.
 
 Modules:
     packed -- the target's linear layers through oneDNN with weights pre-packed once

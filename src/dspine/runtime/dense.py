@@ -1,4 +1,4 @@
-"""A lean forward for dense Llama-family targets with a preallocated K/V cache (issue 22).
+"""A lean forward for dense Llama-family targets with a preallocated K/V cache.
 
 transformers' eager forward spends much of a one-token step outside the matrix products:
 cache-layer objects, mask construction, attention dispatch and per-module Python. On the

@@ -1,4 +1,4 @@
-"""The lean decode path of the dense runtime: one C++ call per few-row forward (issue 22).
+"""The lean decode path of the dense runtime: one C++ call per few-row forward.
 
 On the dense runtime with ``--linear-backend blockq`` the matrix products of a one-token
 step of SmolLM2-135M take ~6-7 ms on 2 cores, yet the step took ~20 ms: the rest was

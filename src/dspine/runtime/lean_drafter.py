@@ -1,4 +1,4 @@
-"""The lean drafter forward: a DSpine drafter's block rows in one C++ call (issue 22).
+"""The lean drafter forward: a DSpine drafter's block rows in one C++ call.
 
 With the drafter's linears on Q8_0 blocks (``--drafter-linears q8``,
 :mod:`dspine.tune.drafter`) those products took ~0.75 ms of a 2-row block forward on a

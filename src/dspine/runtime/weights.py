@@ -1,4 +1,4 @@
-"""Opt-in weight formats of the target: ``--target-weights`` (issue 22 item 2, session 22).
+"""Opt-in weight formats of the target: ``--target-weights`` (2026-12-03).
 
 ``as-is`` (the default) keeps the target's weights. ``q8_0`` rounds every linear layer whose
 input size is a multiple of 32 (attention, MLP and the output head; a head tied to the token

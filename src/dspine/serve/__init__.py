@@ -1,4 +1,4 @@
-"""OpenAI-compatible serving with batched speculative decoding (``dspine serve``, issue 6).
+"""OpenAI-compatible serving with batched speculative decoding (``dspine serve``).
 
 :func:`create_app` builds the FastAPI app over a :class:`~dspine.batch.BatchEngine`;
 :class:`ServerThread` runs it with uvicorn in a background thread (tests, embedding);

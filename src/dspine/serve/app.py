@@ -1,4 +1,4 @@
-"""FastAPI app: OpenAI-compatible endpoints over a :class:`Scheduler` (issue 6).
+"""FastAPI app: OpenAI-compatible endpoints over a :class:`Scheduler`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream`` = server-sent events ending in ``data: [DONE]``), ``GET /v1/models``,

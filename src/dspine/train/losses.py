@@ -12,7 +12,7 @@ Losses:
   true predecessor u* (the anchor for row 1), the true token injected into S_i when
   the top-K misses it (only when the config has a final stage).
 
-Soft labels (``--soft-labels K``, issue 23): the target's own distribution at the
+Soft labels (``--soft-labels K``): the target's own distribution at the
 position before each supervised token, kept as its top-K probabilities from the same
 teacher-forcing forward that gives the features. Row k's CE becomes
 ``(1 - lam) * CE(hard label) + lam * CE(p_topK)``, where ``CE(p) = -sum_v p(v) log q(v)``
@@ -56,7 +56,7 @@ class Batch:
 
 def fit_window(ids: list[int], response_start: int, max_len: int) -> tuple[list[int], int]:
     """The ``max_len``-token training window of one (ids, response start) row: the prompt
-    is cut from the left, never the response (issue 23). A response longer than
+    is cut from the left, never the response. A response longer than
     ``max_len - 1`` keeps one prompt token and its first ``max_len - 1`` tokens.
 
     Returns (window ids, response start within the window).

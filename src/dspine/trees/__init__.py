@@ -1,4 +1,4 @@
-"""Draft trees: several candidate continuations verified in one target forward (issue 21).
+"""Draft trees: several candidate continuations verified in one target forward.
 
 - :mod:`.tree`: the :class:`DraftTree` (flattened nodes, parents, depths, the q each node
   was drawn from) and the tree settings (:class:`TreeSpec`, ``--tree-budget`` /

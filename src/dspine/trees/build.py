@@ -1,4 +1,4 @@
-"""Draft trees from the final stage's candidate tables (issue 21; spec section 4 tables).
+"""Draft trees from the final stage's candidate tables (spec section 4 tables).
 
 Inputs, as :func:`dspine.final_stage.conditional_tables` makes them for one block:
 ``cand`` [n, K] int64, the K candidates of positions 1..n, and ``T`` [n, K, K] float32
@@ -131,7 +131,7 @@ def _tree(toks, par, dep, qids, qps, path_prob=None) -> DraftTree:
 
 
 def graft(tree: DraftTree, tokens: list[int], merge: bool) -> tuple[DraftTree, int]:
-    """Add the deterministic branch ``tokens`` (a copied continuation, issue 20) below the root.
+    """Add the deterministic branch ``tokens`` (a copied continuation) below the root.
 
     ``merge`` (greedy decoding): follow existing nodes while their tokens match and append
     only the rest. Without (sampled decoding), the whole branch becomes new nodes placed

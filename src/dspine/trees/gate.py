@@ -1,9 +1,9 @@
-"""Tree or chain, per proposer source, by the measured rate of each (issue 21, session 22).
+"""Tree or chain, per proposer source, by the measured rate of each (2026-12-03).
 
 A draft tree raises τ over a chain (more candidates verified), but its cycle costs more: a
 wider target forward, the tree's bookkeeping, the candidate tables' best-first search.
-Which wins depends on the machine (session 16, AVX2 EPYC: trees sized per cycle 1.04x the
-chains; session 22, AVX-512 EPYC with the lean drafter: chains 1.10x the trees), on the
+Which wins depends on the machine (2026-12-02, AVX2 EPYC: trees sized per cycle 1.04x the
+chains; 2026-12-03, AVX-512 EPYC with the lean drafter: chains 1.10x the trees), on the
 drafter and on the text, so ``--tree-size cost`` does not fix it: :class:`TreeGate`
 keeps, per proposer source, decayed sums of the tokens emitted and the seconds spent by
 completed drafting cycles of each kind, and drafts a tree when the trees' tokens per

@@ -1,4 +1,4 @@
-"""How many nodes of a best-first draft tree to verify, per cycle (issue 21 item 5).
+"""How many nodes of a best-first draft tree to verify, per cycle.
 
 A best-first tree (:func:`dspine.trees.build.dynamic_tree`) lists its nodes by decreasing
 path probability, so each prefix of ``m`` nodes is a tree and the most promising one of its

@@ -1,4 +1,4 @@
-"""The flattened draft tree and the tree settings (issue 21).
+"""The flattened draft tree and the tree settings.
 
 A tree hangs below the root, the cycle's anchor x0 (row 0 of the target forward). Node
 i (0-based) is row i + 1: token ``tokens[i]``, ``parent[i]`` (-1 = the root, else a

@@ -1,4 +1,4 @@
-"""Verification of a draft tree in one target forward (issue 21; spec section 5 for chains).
+"""Verification of a draft tree in one target forward (spec section 5 for chains).
 
 ``logits`` [N+1, V]: row 0 is the target's next-token logits after the anchor, row i + 1
 those after tree node i (its ancestors and itself appended to the context).

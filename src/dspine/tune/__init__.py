@@ -1,4 +1,4 @@
-"""Measured, cached choices of hardware-dependent settings (issue 19).
+"""Measured, cached choices of hardware-dependent settings.
 
 Kernels differ by up to ~60x between CPUs (``torch._int_mm`` is fast with VNNI/AMX and
 crawls on AVX2-only CPUs), so nothing here is hard-coded for one CPU: each choice is

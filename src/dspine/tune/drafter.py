@@ -1,4 +1,4 @@
-"""The drafter's own linear layers: float32, or rounded to Q8_0 blocks (measured, session 20).
+"""The drafter's own linear layers: float32, or rounded to Q8_0 blocks (measured, 2026-12-02).
 
 On the lean target path a drafting cycle cost ~11 ms beside a ~7 ms plain target step, ~5
 ms of it in the drafter's float32 linears (~8.7M weights, 35 MB read per forward). The
@@ -8,7 +8,7 @@ a copy of the drafter's linear weights to Q8_0 blocks (float16 scale per 32 weig
 -127..127, as GGUF's Q8_0) and runs them on the blockq kernels
 (:mod:`dspine.runtime.blockq`): ~1.1 bytes per weight instead of 4. Measured on a 2-core
 AVX-512 EPYC: a 3-token proposal 8.9-11.8 -> 4.9-5.1 ms, τ unchanged on the prompts tried
-(docs/decisions.md, session 20). ``auto`` times one drafter forward of each on this machine
+(docs/decisions.md, 2026-12-02). ``auto`` times one drafter forward of each on this machine
 (cached per machine and drafter shape) and takes the faster.
 """
 from __future__ import annotations

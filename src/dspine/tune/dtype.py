@@ -1,4 +1,4 @@
-"""The target's dtype for batched forwards, measured (issue 19).
+"""The target's dtype for batched forwards, measured.
 
 Data generation (``dspine data build``) and feature extraction (``dspine train
 features`` / online training features) run the target on batches. bfloat16 halves the

@@ -1,4 +1,4 @@
-"""The drafter's candidate pass, with its kernel measured per row count (issue 19).
+"""The drafter's candidate pass, with its kernel measured per row count.
 
 The final stage (spec section 4) scores every row's normed state against the whole
 vocabulary head H [V, d] to keep the top ``coarse_k`` candidates, which the exact head
