@@ -1,11 +1,11 @@
 """The batched engine (``dspine serve``'s cycles) on the lean decode path vs transformers'
-batched forward, side by side in one process (session 21).
+batched forward, side by side in one process (2026-12-02).
 
 For each concurrency c, c held-out prompts run together through :class:`dspine.batch.BatchEngine`
 (greedy, the default settings of ``dspine serve``: hybrid proposer, cost policy, measured kernels,
 or ``--mode ar``), once with the lean path (each cycle's tokens of all requests packed into one
 C++ call) and once with it switched off (transformers' forward over the padded batch, as before
-session 21), alternating which goes first per round. The figure is output tokens per second of
+2026-12-02), alternating which goes first per round. The figure is output tokens per second of
 the whole batch (decode only: prefill is the same single-request path in both). Output ids of the
 two must be equal.
 

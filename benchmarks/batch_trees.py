@@ -1,5 +1,5 @@
 """Draft trees in the batched engine (``dspine serve``'s cycles) vs chains, side by side in one
-process (session 22, issue 21).
+process (2026-12-03).
 
 For each concurrency c, c held-out prompts (code and chat, after the first 16 of each set, which
 were tuned on) run together through :class:`dspine.batch.BatchEngine` on the lean decode path,

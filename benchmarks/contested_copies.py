@@ -1,6 +1,6 @@
-"""Two opt-in changes to how the default prices copies (session 26), measured beside ``ar``
+"""Two opt-in changes to how the default prices copies (2026-12-04), measured beside ``ar``
 and the default, side by side in one process. Neither is the default: neither was faster
-(docs/decisions.md, session 26).
+(docs/decisions.md, 2026-12-04).
 
 1. ``split``: a copy whose matched suffix was followed by different tokens at its two most
    recent earlier occurrences (:meth:`dspine.proposers.NgramIndex.contested`) is right far

@@ -1,6 +1,6 @@
 """How often a copied continuation is right, by kind of match, on the committed target-written
 data (no model runs): the evidence behind ``NgramIndex.contested`` (docs/decisions.md,
-session 26).
+2026-12-04).
 
 For the first ``--rows`` answers of each kind (chat, code) in ``training-data/``, every
 answer position is replayed as the copy proposer sees it: the committed tokens (prompt and

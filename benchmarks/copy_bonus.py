@@ -1,4 +1,4 @@
-"""Copies fused into the DSpine final stage (``--copy-bonus B``, issue 20 item 3): tau per bonus.
+"""Copies fused into the DSpine final stage (``--copy-bonus B``): tau per bonus.
 
 tau does not depend on the machine, only on the drafter, the target and the prompts, so
 this runs the real engine loop (greedy, float32, chains, full blocks: no cost policy, as

@@ -1,4 +1,4 @@
-"""Issue 19's check, as a user runs it: the default ``dspine generate`` against the same
+"""CPU speed by default check, as a user runs it: the default ``dspine generate`` against the same
 command with ``--mode ar``, on held-out code and chat prompts never used for training or
 tuning, greedy, side by side.
 

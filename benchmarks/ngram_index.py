@@ -1,4 +1,4 @@
-"""Cost of the copy proposer's index (issue 20: "suffix automaton, suffix tree or hashed
+"""Cost of the copy proposer's index (copies: "suffix automaton, suffix tree or hashed
 n-grams: measure"): the hashed n-gram index of :mod:`dspine.proposers.ngram` beside a
 suffix automaton in the same language (pure Python), per committed token and per lookup,
 at 512 / 2048 / 8192 tokens of context. Both index the same token ids (a real

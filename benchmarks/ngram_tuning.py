@@ -1,4 +1,4 @@
-"""Settings of the copy proposer, tuned on *training* rows only (issue 20).
+"""Settings of the copy proposer, tuned on *training* rows only.
 
 Greedy acceptance of a copy is exact to simulate: a proposal is accepted as far as it
 equals the target's own greedy continuation. The committed training data

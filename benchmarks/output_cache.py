@@ -1,4 +1,4 @@
-"""The cross-request output cache (``dspine serve --ngram-cache-tokens``, issue 20 item 2),
+"""The cross-request output cache (``dspine serve --ngram-cache-tokens``),
 side by side with the same proposer without it.
 
 One process, one loaded float32 target on the dense runtime, the shipped DSpine drafter,

@@ -1,4 +1,4 @@
-"""Target runtime side by side (issue 22): transformers' forward vs the dense runtime
+"""Target runtime side by side: transformers' forward vs the dense runtime
 (:mod:`dspine.runtime.dense`), each linear backend (:mod:`dspine.runtime.packed`), HF
 transformers' own ``generate``, and DSpine (the default hybrid proposer with the shipped
 drafter and the cost policy) on the old and the new default, in one process on one
@@ -54,9 +54,9 @@ CONFIGS = [
     ("hf-generate", "hf", "aten", "hf-generate"),
     ("hf/onednn dspine", "hf", "onednn", "dspine"),
     ("dense/mixed dspine", "dense", "mixed", "dspine"),
-    ("dense/blockq ar", "dense", "blockq", "ar"),  # session 18: exact Q4_1/Q8_0 blocks (runtime/blockq.py)
+    ("dense/blockq ar", "dense", "blockq", "ar"),  # 2026-12-02: exact Q4_1/Q8_0 blocks (runtime/blockq.py)
     ("dense/blockq dspine", "dense", "blockq", "dspine"),
-    # session 19: blockq with the lean decode path off (runtime/lean.py): the Python layer loop
+    # 2026-12-02: blockq with the lean decode path off (runtime/lean.py): the Python layer loop
     ("dense/blockq-python ar", "dense", "blockq-python", "ar"),
     ("dense/blockq-python dspine", "dense", "blockq-python", "dspine"),
 ]
@@ -113,7 +113,7 @@ def main() -> None:
         elif mode == "dspine":
             prop = make_proposer("hybrid", DrafterProposer(drafter))
             engines[label] = Engine(t, prop, "dspine", verify_policy=make_policy("cost", t, prop),
-                                    tree=TreeSpec(16, size="cost"))  # the defaults (trees since session 19 here)
+                                    tree=TreeSpec(16, size="cost"))  # the defaults (trees since 2026-12-02 here)
     # warm-up: one short run per configuration (the cost policies' first exploration included)
     warm = t.encode_prompt("Name three colours.", chat=True)
     for label, rt, be, mode in CONFIGS:

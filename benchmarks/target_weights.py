@@ -1,4 +1,4 @@
-"""``--target-weights q8_0`` side by side (issue 22 item 2, session 22): what a target that
+"""``--target-weights q8_0`` side by side (2026-12-03): what a target that
 holds no 4/8-bit blocks gains from rounding its linears to Q8_0 blocks.
 
 Configurations, each built as ``dspine generate`` builds it (``build_engine``, its own loaded

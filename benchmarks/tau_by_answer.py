@@ -1,4 +1,4 @@
-"""Issue 20's copy-heavy check: pooled τ of a `dspine bench` run per workload, with the
+"""copies copy-heavy check: pooled τ of a `dspine bench` run per workload, with the
 ``tools`` requests split by what the target answered: a function call (JSON or Python
 call syntax that :func:`dspine.bench.checks.parse_tool_calls` reads, the copy-heavy case
 the issue names) or prose (the 135M default target often ignores the schema and explains

@@ -72,10 +72,10 @@ def main(argv=None) -> int:
             a1.plot(steps, _smooth([r["fs"] for r in rs]), "--", color=line.get_color(),
                     label=f"{family} final-stage CE" if first else None)
         a2.plot(steps, _smooth([r["acc1"] for r in rs]), color=line.get_color(), label=family if first else None)
-    a1.set_xlabel("training step (grey lines: a warm-started session begins)")
+    a1.set_xlabel("training step (grey lines: a warm-started run begins)")
     a1.set_ylabel("loss (nats, moving avg of 10 logs)")
     a1.legend()
-    a2.set_xlabel("training step (grey lines: a warm-started session begins)")
+    a2.set_xlabel("training step (grey lines: a warm-started run begins)")
     a2.set_ylabel("row-1 top-1 accuracy (training batches)")
     a2.legend()
     fig.suptitle("smollm2-135m drafters: same data, steps and compute")

@@ -1,11 +1,11 @@
-"""Fixed vs per-cycle tree size (``--tree-size cost``, issue 21 item 5), side by side.
+"""Fixed vs per-cycle tree size (``--tree-size cost``), side by side.
 
 One process, one loaded float32 target on the dense runtime, the shipped DSpine drafter,
 the default proposer (hybrid) and cost policy; held-out prompts (``heldout_prompts``, never
 trained on), greedy, EOS ignored so every configuration emits the same count. Configs: ``ar``,
 the chain (budget 0), per-cycle sized trees under several budgets, each with the tree gate
-(``costB``, the default since session 22: a tree or a chain per drafting cycle by their measured
-rates) and without it (``costB-always``), and with ``--fixed8`` session 14's fixed tree of 8. Interleaved: each round runs every configuration on each prompt once in a
+(``costB``, the default since 2026-12-03: a tree or a chain per drafting cycle by their measured
+rates) and without it (``costB-always``), and with ``--fixed8`` 2026-12-02 fixed tree of 8. Interleaved: each round runs every configuration on each prompt once in a
 rotating order; medians of output tokens/s after prefill, pooled tau, mean verified nodes,
 and per-(round, prompt) ratios against the chain (or the fixed tree with ``--fixed8``). Every run's ids are checked
 equal to ``ar``'s.
@@ -13,7 +13,7 @@ equal to ``ar``'s.
 Usage: python benchmarks/tree_size.py [--rounds 2] [--tokens 96] [--prompts 4]
        [--budgets 8,16,32] [--drafter-linears auto] [--draft-vocab auto] [--out benchmarks/tree_size.json]
 (``--drafter-linears auto --draft-vocab auto``: the drafter as ``dspine generate`` runs it;
-the defaults keep the session-16 setting, float32 linears over the whole vocabulary.)
+the defaults keep the 2026-12-02 setting, float32 linears over the whole vocabulary.)
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (code, chat)")
     ap.add_argument("--budgets", default="8,16,32", help="budgets of the per-cycle sized trees")
     ap.add_argument("--linear-backend", default="auto")
-    ap.add_argument("--fixed8", action="store_true", help="also the fixed tree of 8 (session 14's default)")
+    ap.add_argument("--fixed8", action="store_true", help="also the fixed tree of 8 (2026-12-02 default)")
     ap.add_argument("--drafter-linears", default="float32", choices=("auto", "float32", "q8"),
                     help="the drafter's own linears (dspine generate's default: auto)")
     ap.add_argument("--draft-vocab", default="full", choices=("auto", "full", "subset"),
@@ -66,7 +66,7 @@ def main() -> None:
     for name, spec in specs.items():
         prop = make_proposer("hybrid", DrafterProposer(drafter, linears=a.drafter_linears, vocab=vocab))
         configs[name] = Engine(t, prop, "dspine", verify_policy=make_policy("cost", t, prop), tree=spec)
-        if name.endswith("-always"):  # every drafting cycle a tree (before session 22)
+        if name.endswith("-always"):  # every drafting cycle a tree (before 2026-12-03)
             configs[name].tree_gate = None
     labels = list(configs)
     prompts = heldout_ids(t, a.prompts)

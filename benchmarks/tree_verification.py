@@ -1,4 +1,4 @@
-"""Draft trees vs chains side by side (issue 21), in one process on one loaded float32 target.
+"""Draft trees vs chains side by side, in one process on one loaded float32 target.
 
 1. Verification cost: one dense-runtime target forward over w new tokens (w = 1 and the
    verification widths 16, 32, 48, 64) after a 300-token context, median of repeats: what

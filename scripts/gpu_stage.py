@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Stage what scripts/gpu_train.sh needs on a GPU machine that reaches no network, within
-the device tool's limit of 64 MiB per call (issue 23 item 5; docs/gpu-run.md).
+the device tool's limit of 64 MiB per call (docs/gpu-run.md).
 
 What travels with a device call is the working tree (tracked files and untracked files git
 does not ignore) plus up to 8 carried paths, 64 MiB in all. The tracked tree is ~90 MB,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU run (issue 23 item 5): regenerate training data with the target on the
-# GPU, train a drafter on it plus the committed data, and leave what a CPU session needs
+# One prepared GPU run: regenerate training data with the target on the
+# GPU, train a drafter on it plus the committed data, and leave what a CPU machine needs
 # to ship it in $OUT: the drafter (a tar split into 15 MiB parts), the new data (packed
 # shards + manifest, a tar), the training metrics and the log. Sized for one H200 and the
 # device limits (a ~9 minute run; at most 8 files of 16 MiB, 64 MiB in all, come back).

@@ -1,4 +1,4 @@
-"""Serve a dspine-trained DFlash-style drafter in vLLM and llama.cpp (issue 24).
+"""Serve a dspine-trained DFlash-style drafter in vLLM and llama.cpp.
 
 Integration check and side-by-side speed, not part of the test suite (vLLM's CPU venv is
 ~3.5 GB, llama.cpp's build ~21 min on 2 cores). Runs in dspine's environment; vLLM runs
