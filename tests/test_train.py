@@ -608,3 +608,21 @@ def test_time_limit_saves_and_stops_and_resume_finishes_the_same_schedule(tmp_pa
     assert not tr2.stopped_early and tr2.step == 6
     with pytest.raises(ValueError, match="--time-limit"):
         _tc(time_limit=float("inf"))
+
+
+def test_a_resumed_run_continues_as_if_never_stopped(tmp_path):
+    """Stop at step 6, resume in a new Trainer, run to 12: the losses of steps 7-12 and the
+    final weights equal those of one uninterrupted run (weights and optimizer state kept)."""
+    tg = load_target("random:llama", vocab_size=256)
+    seqs = _seqs()
+    whole = Trainer(tg, _cfg(tg, "dspine"), seqs, tmp_path / "whole", _tc(steps=12, save_every=100, lr=1e-2))
+    want = [whole.train_step()["loss"] for _ in range(12)]
+    a = Trainer(tg, _cfg(tg, "dspine"), seqs, tmp_path / "split", _tc(steps=12, save_every=100, lr=1e-2))
+    got = [a.train_step()["loss"] for _ in range(6)]
+    a.save()
+    b = Trainer(tg, _cfg(tg, "dspine"), seqs, tmp_path / "split", _tc(steps=12, save_every=100, lr=1e-2))
+    assert b.resume() and b.step == 6
+    got += [b.train_step()["loss"] for _ in range(6)]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for k, v in whole.model.state_dict().items():
+        assert torch.allclose(v, b.model.state_dict()[k], atol=1e-6), k
