@@ -13,7 +13,7 @@ Writes a JSON file with the machine line (CPU model, instruction-set class, thre
 the load average at start and end, every run, the paired ratio per prompt (median over
 rounds) and the medians per set, and prints a table.
 
-    python benchmarks/defaults_vs_ar.py --n 4 --rounds 2 --out benchmarks/defaults_vs_ar_avx512.json
+    python benchmarks/defaults_vs_ar.py --n 4 --rounds 2 --out benchmarks/defaults-vs-ar/avx512-2026-12-03-early.json
 """
 from __future__ import annotations
 

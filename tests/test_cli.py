@@ -352,3 +352,20 @@ def test_damaged_card_is_named(tmp_path):
             read_card(tmp_path)
     (tmp_path / "card.json").unlink()
     assert read_card(tmp_path) == {}
+
+
+def test_generate_help_groups_common_options_first(capsys):
+    """`dspine generate --help`: sampling and speculation before the advanced groups, whose
+    expert knobs (kernels, linears, trees) stay available."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    heads = ["what to generate:", "sampling (the default is greedy):", "speculation:", "output:",
+             "advanced: device, dtype, kernels", "advanced: draft trees:"]
+    pos = [out.index(h) for h in heads]
+    assert pos == sorted(pos), pos
+    body = out[pos[0]:]  # the option list (the usage line above names every flag too)
+    adv = body.index("advanced: device")
+    for flag in ("--head-kernel", "--drafter-linears", "--linear-backend", "--tree-budget"):
+        assert body.index("  " + flag) > adv, flag
+    assert body.index("  --temperature") < adv and body.index("  --proposer") < adv

@@ -371,37 +371,46 @@ def tree_notes(args) -> list[str]:
 
 
 def add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    p = sub.add_parser("generate", help="generate text with speculative decoding",
+                       description="Generate text for one prompt with speculative decoding; greedy output is "
+                                   "the target's own, sampled output distributed as its sampler. The common "
+                                   "options come first; the advanced groups change speed only.")
     p.add_argument("prompt")
-    p.add_argument("--target", default="smollm2-135m", help="target name, HF dir, .gguf, or random:<arch>")
-    p.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")
-    p.add_argument("--mode", default="dspine", help="ar | dflash | dspine")
-    p.add_argument("--chat", action="store_true", help="apply the target's chat template")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of the request's sampler (0 .. 2**63-1)")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="must equal the drafter checkpoint's (default: the checkpoint's; 16 for --drafter random)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
-    p.add_argument("--verify-policy", default=None,
+    g = p.add_argument_group("what to generate")
+    g.add_argument("--target", default="smollm2-135m", help="target name, HF dir, .gguf, or random:<arch>")
+    g.add_argument("--chat", action="store_true", help="apply the target's chat template")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g = p.add_argument_group("sampling (the default is greedy)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the request's sampler (0 .. 2**63-1)")
+    g = p.add_argument_group("speculation")
+    g.add_argument("--mode", default="dspine", help="ar (the target alone) | dflash | dspine")
+    g.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")
+    g.add_argument("--verify-policy", default=None,
                    help="cost (default: choose n per cycle by measured cost and past acceptance, down to "
                         "plain target steps when drafting does not pay on this machine; non-anticipating, "
                         "so sampling stays exact) | fixed (verify the whole block every cycle)")
-    add_proposer_args(p)
-    add_drafter_kernel_args(p)
-    add_target_runtime_args(p)
-    add_target_weights_arg(p)
-    add_tree_args(p, DEFAULT_TREE_BUDGET)
-    p.add_argument("--threads", type=thread_count, default=0,
-                   help="torch CPU threads (default 0: torch's own choice, every core)")
-    p.add_argument("--no-progress", action="store_true",
+    add_proposer_args(g)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="must equal the drafter checkpoint's (default: the checkpoint's; 16 for --drafter random)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+    g.add_argument("--no-progress", action="store_true",
                    help="no progress bar or measurement notes on stderr")
-    p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+    g = p.add_argument_group("advanced: device, dtype, kernels and tuning (speed only; measured per machine "
+                             "by default, `dspine tune` shows the choices)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
+    g.add_argument("--threads", type=thread_count, default=0,
+                   help="torch CPU threads (default 0: torch's own choice, every core)")
+    add_drafter_kernel_args(g)
+    add_target_runtime_args(g)
+    add_target_weights_arg(g)
+    add_tree_args(p.add_argument_group("advanced: draft trees"), DEFAULT_TREE_BUDGET)
     p.set_defaults(func=cmd_generate)
 
 
