@@ -15,11 +15,17 @@ its predecessors are the true tokens):
   before the final stage), and the implied chain tau;
 - the EAGLE-style head (EAGLE, Li et al. 2024: ``fc([features_t ; embed(x_{t+1})])`` -> one
   causal decoder layer -> norm -> the target's frozen head, predicting x_{t+2}): its row-1
-  accuracy after every ``--eval-every`` CPU-seconds of training (a learning curve), with
-  ``--features drafter`` (the drafter's feature layers) or ``last`` (those plus the target's
-  final hidden state).
+  accuracy after every ``--eval-every`` CPU-seconds of training (a learning curve). Each
+  ``--variants`` entry ``FEATURES:INIT`` is one head: FEATURES ``drafter`` (the drafter's
+  feature layers) or ``last`` (those plus the target's final, normed hidden state); INIT
+  ``random`` or ``target`` (the decoder layer starts as a copy of the target's last layer).
+  The heads train in turns, one step each, every head's CPU time counted on its own: equal
+  compute, same data order, same process and machine load.
 
     python benchmarks/drafter_diagnosis.py --train-rows 600 --budget 1200 --out benchmarks/drafter-diagnosis/avx512-2026-12-04.json
+    python benchmarks/drafter_diagnosis.py --train-rows 800 --budget 700 --eval-every 175 \
+        --variants drafter:random last:random last:target --skip-drafters \
+        --out benchmarks/drafter-diagnosis/levers-avx2-2026-12-05.json
 """
 from __future__ import annotations
 
@@ -103,7 +109,7 @@ class EagleHead(nn.Module):
     """fc([features_t ; embed(x_{t+1})]) -> one Llama decoder layer -> RMSNorm; logits through
     the target's frozen head (a vocabulary subset). Position t predicts x_{t+2}."""
 
-    def __init__(self, target, feat_dim: int, subset: torch.Tensor):
+    def __init__(self, target, feat_dim: int, subset: torch.Tensor, init: str = "random"):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -115,6 +121,11 @@ class EagleHead(nn.Module):
         self.layer = LlamaDecoderLayer(cfg, 0).float()
         self.rope = LlamaRotaryEmbedding(cfg)
         self.norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        if init == "target":  # the target's last decoder layer and final norm as the start
+            self.layer.load_state_dict({k: v.float() for k, v in target.model.model.layers[-1].state_dict().items()})
+            self.norm.weight.data.copy_(target.model.model.norm.weight.float())
+        elif init != "random":
+            raise ValueError(f"--variants: init {init!r} is unknown; accepted: random, target")
 
     def forward(self, feats: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
         """feats [b, T, F*d] float32, nxt [b, T] ids of x_{t+1} -> logits [b, T, Vs]."""
@@ -168,10 +179,19 @@ def main() -> int:
     ap.add_argument("--eval-every", type=float, default=150.0)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--features", choices=["drafter", "last"], default="drafter")
+    ap.add_argument("--variants", nargs="+", default=["drafter:random"],
+                    help="heads to train side by side, FEATURES:INIT with FEATURES drafter|last, INIT random|target")
+    ap.add_argument("--skip-drafters", action="store_true", help="do not re-measure the shipped drafters' rows")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    variants = []
+    for v in args.variants:
+        f, _, init = v.partition(":")
+        if f not in ("drafter", "last") or init not in ("random", "target"):
+            ap.error(f"--variants {v!r}: expected FEATURES:INIT, FEATURES drafter|last, INIT random|target")
+        variants.append((v, f, init))
+    last = any(f == "last" for _, f, _ in variants)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -189,13 +209,13 @@ def main() -> int:
     say("held-out answers", {k: sum(len(s) - r for s, r in v) for k, v in ev.items()})
     shipped = load_drafter(default_drafter_path("smollm2-135m", "dspine"), target)
     layers = list(shipped.cfg.feature_layers)
-    ev_f = {k: features(target, v, layers, args.features == "last") for k, v in ev.items()}
+    ev_f = {k: features(target, v, layers, last) for k, v in ev.items()}
     dF = len(layers) * target.model.config.hidden_size
     res = {"machine": describe(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=ROOT).stdout.strip(), "args": vars(args),
            "eval_answer_tokens": {k: sum(len(s) - r for s, r in v) for k, v in ev.items()}}
-    for mode in ("dspine", "dflash"):
+    for mode in () if args.skip_drafters else ("dspine", "dflash"):
         d = load_drafter(default_drafter_path("smollm2-135m", mode), target).eval()
         vocab = resolve("auto", str(default_drafter_path("smollm2-135m", mode)), d.cfg.vocab_size, d.cfg.head_topk)
         for k in ("code", "chat"):
@@ -209,7 +229,7 @@ def main() -> int:
 
     tr = [fit_window(s.input_ids, s.response_start, args.max_len) for s in data]
     t0 = time.time()
-    tr_f = features(target, tr, layers, args.features == "last")
+    tr_f = features(target, tr, layers, last)
     res["feature_s"] = round(time.time() - t0, 1)
     res["train_answer_tokens"] = sum(len(s) - r for s, r in tr)
     say("train features", len(tr), "rows", res["train_answer_tokens"], "answer tokens", res["feature_s"], "s")
@@ -218,38 +238,51 @@ def main() -> int:
     subset = vocab if vocab is not None else torch.arange(target.vocab_size)
     remap = torch.full((target.vocab_size,), -100, dtype=torch.long)
     remap[subset] = torch.arange(subset.numel())
-    head = EagleHead(target, tr_f[0].shape[-1], subset)
-    params = [p for n, p in head.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    res["eagle_params"] = sum(p.numel() for p in params)
-    curve = []
-    gen = torch.Generator().manual_seed(0)
-    cpu0, step, next_eval = time.process_time(), 0, 0.0
-    while True:
-        used = time.process_time() - cpu0
-        if used >= next_eval or used >= args.budget:
-            head.eval()
-            pt = {"cpu_s": round(used, 1), "step": step,
-                  **{f"row1_{k}": eagle_row1(head, ev[k], ev_f[k], remap) for k in ("code", "chat")}}
-            head.train()
-            curve.append(pt)
-            say("eagle", pt)
-            next_eval += args.eval_every
-            cpu0 += time.process_time() - cpu0 - used  # evaluation is not training time
-            if used >= args.budget:
-                break
-        idx = torch.randint(len(tr), (args.batch,), generator=gen).tolist()
-        fb, nx, tg = eagle_batch(tr, tr_f, idx, remap)
-        lr = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, used / args.budget)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss = Fn.cross_entropy(head(fb, nx).reshape(-1, subset.numel()), tg.reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-    res["eagle_curve"] = curve
+    sl = {"drafter": dF, "last": None}  # feature columns each head reads
+    heads = {}
+    for name, f, init in variants:
+        torch.manual_seed(0)  # every head starts from the same random draw
+        head = EagleHead(target, dF if f == "drafter" else tr_f[0].shape[-1], subset, init)
+        params = [p for p in head.parameters() if p.requires_grad]
+        heads[name] = dict(head=head, params=params, cols=sl[f], curve=[], cpu=0.0, step=0, next_eval=0.0,
+                           opt=torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
+                           gen=torch.Generator().manual_seed(0), done=False)
+        res[f"eagle_params_{name}"] = sum(p.numel() for p in params)
+
+    def cut(fs, cols):
+        return fs if cols is None else [x[:, :cols] for x in fs]
+
+    while not all(h["done"] for h in heads.values()):
+        for name, h in heads.items():  # one step each, in turns (equal compute, same load)
+            if h["done"]:
+                continue
+            used = h["cpu"]
+            if used >= h["next_eval"] or used >= args.budget:
+                h["head"].eval()
+                pt = {"cpu_s": round(used, 1), "step": h["step"],
+                      **{f"row1_{k}": eagle_row1(h["head"], ev[k], cut(ev_f[k], h["cols"]), remap)
+                         for k in ("code", "chat")}}
+                h["head"].train()
+                h["curve"].append(pt)
+                say("eagle", name, pt)
+                h["next_eval"] += args.eval_every
+                if used >= args.budget:
+                    h["done"] = True
+                    continue
+            c0 = time.process_time()
+            idx = torch.randint(len(tr), (args.batch,), generator=h["gen"]).tolist()
+            fb, nx, tg = eagle_batch(tr, cut(tr_f, h["cols"]), idx, remap)
+            lr = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, used / args.budget)))
+            for g in h["opt"].param_groups:
+                g["lr"] = lr
+            loss = Fn.cross_entropy(h["head"](fb, nx).reshape(-1, subset.numel()), tg.reshape(-1), ignore_index=-100)
+            h["opt"].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(h["params"], 1.0)
+            h["opt"].step()
+            h["step"] += 1
+            h["cpu"] += time.process_time() - c0
+    res["eagle_curves"] = {name: h["curve"] for name, h in heads.items()}
     res["wall_s"] = round(time.time() - t_all, 1)
     print(json.dumps(res))
     if args.out:

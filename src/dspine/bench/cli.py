@@ -1,5 +1,10 @@
 """``dspine bench``: compare ar, dflash, dspine, hf and hf-pld (and llama.cpp) under one setup (spec s.10).
 
+The README's results table on this machine (~10 minutes on 2 cores; writes headline.md,
+headline.json and headline.png beside the bench's files)::
+
+    dspine bench --headline
+
 Smoke (CI; under 3 minutes on 2 cores)::
 
     dspine bench --smoke --out benchmarks/smoke --overwrite
@@ -73,14 +78,39 @@ def config_from_args(args) -> BenchConfig:
         seed=args.seed, request_timeout_s=args.request_timeout, code_timeout_s=args.code_timeout,
         concurrency=_concurrency(args.concurrency) if args.concurrency else None,
         llama_cpp=args.llama_cpp, gguf=args.gguf).items() if v is not None}
+    if args.smoke and args.headline:
+        raise BenchError("--smoke and --headline: choose one preset")
+    if args.headline:
+        from .headline import headline_config
+
+        return headline_config(**given)
     return smoke_config(**given) if args.smoke else BenchConfig(**given)
+
+
+def default_out(args) -> str:
+    """``--out`` when not given: benchmarks/smoke, benchmarks/headline/<isa>-<date> or benchmarks/run."""
+    if args.smoke:
+        return "benchmarks/smoke"
+    if args.headline:
+        import datetime
+
+        from ..tune.machine import isa_class
+
+        isa = isa_class().split("+")[0].lower().replace("-", "")
+        return f"benchmarks/headline/{isa}-{datetime.date.today().isoformat()}"
+    return "benchmarks/run"
 
 
 def cmd_bench(args) -> int:
     cfg = config_from_args(args)
-    out = args.out or ("benchmarks/smoke" if args.smoke else "benchmarks/run")
+    out = args.out or default_out(args)
     summary = run_bench(cfg, out, progress=not args.no_progress, plots=not args.no_plots,
                         overwrite=args.overwrite)
+    if args.headline:
+        from .headline import render, write_headline
+
+        doc = write_headline(summary, out, plots=not args.no_plots)
+        print(render(doc["table"], doc["stamp"], doc["modes"]), file=sys.stderr)
     brief = [{k: g.get(k) for k in ("workload", "setting", "mode", "n", "failures")}
              | {"speedup_median": (g.get("speedup") or {}).get("median"), "tau_pooled": g.get("tau_pooled"),
                 "tokens_per_second": g.get("tokens_per_second_median")}
@@ -100,9 +130,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     failed (error or timeout; counted in the report), 2 for bad settings."""
     p = subparsers.add_parser("bench", help="benchmark every mode under one setup (spec s.10)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--headline", action="store_true",
+                   help="the README's results table on this machine: held-out code, chat and code-edit prompts; "
+                        "ar, the defaults, copies alone, the drafter alone, HF prompt lookup (and llama.cpp when "
+                        "found); writes headline.md/.json/.png (~10 min on 2 cores)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny run: 1 prompt per workload, 16 new tokens, greedy, ar+dspine+dflash+hf-pld")
-    p.add_argument("--out", default=None, help="output directory (default benchmarks/smoke or benchmarks/run)")
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/smoke, "
+                                                "benchmarks/headline/<isa>-<date> or benchmarks/run)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (refused without it)")
     p.add_argument("--target", default=None, help="target name or path (default smollm2-135m)")
@@ -110,9 +145,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu (default) | cuda")
     p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's own, every core; smoke 1)")
     p.add_argument("--modes", default=None,
-                   help="comma list of ar,dflash,dspine,ngram,hf,hf-pld,llama-cpp,llama-cpp-lookup or all (default "
-                        "all: every mode but the llama.cpp peers, which need a llama.cpp build); ngram is dspine's "
-                        "own prompt lookup (copies, no drafter)")
+                   help="comma list of ar,dflash,dspine,ngram,dspine-drafter,hf,hf-pld,llama-cpp,llama-cpp-lookup or all "
+                        "(default all: every mode but the llama.cpp peers, which need a llama.cpp build); ngram is "
+                        "dspine's own prompt lookup (copies, no drafter); dspine-drafter the DSpine drafter alone "
+                        "(single chain, whole blocks verified)")
     p.add_argument("--llama-cpp", default=None, metavar="PATH",
                    help="llama-server binary or a llama.cpp tree with build/bin/llama-server, for --modes "
                         "llama-cpp / llama-cpp-lookup (default $DSPINE_LLAMA_CPP)")
@@ -143,7 +179,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_drafter_kernel_args(p, default=None)  # default: BenchConfig's, as generate ("auto")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
     p.add_argument("--pld-tokens", type=positive_int, default=None, help="hf-pld prompt_lookup_num_tokens (default 10)")
-    p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools,edit or all (default all)")
+    p.add_argument("--workloads", default=None, help="comma list of short,long,code,multifile,tools,edit,convert,stdlib,sharegpt or all (default all)")
     p.add_argument("--limit", type=positive_int, default=None, help="at most N prompts per workload (default: all; smoke 1)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="override every workload's output budget (default: each workload's own; smoke 16)")
     p.add_argument("--context-tokens", type=positive_int, default=None, help="prompt + output budget (default 2048; smoke 512)")

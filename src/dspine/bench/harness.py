@@ -32,7 +32,7 @@ from ..argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE
 from ..config import SamplingConfig
 from .fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
 from .llama_cpp import LLAMA_MODES, LlamaCppRunner
-from .runners import ALL_MODES, ENGINE_MODES, make_runner
+from .runners import ALL_MODES, ENGINE_MODES, drafter_kind, make_runner
 from .workloads import WORKLOAD_NAMES, build_prompts, parse_workloads, warmup_prompt, workload_version
 
 
@@ -147,8 +147,9 @@ def resolve_drafters(cfg: BenchConfig) -> dict:
     from ..cli import default_drafter_path
 
     out = {}
+    wanted = {drafter_kind(m) for m in cfg.modes}
     for mode in ("dspine", "dflash"):
-        if mode not in cfg.modes:
+        if mode not in wanted:
             continue
         d = cfg.drafters.get(mode)
         if d is None:
@@ -448,7 +449,7 @@ class Harness:
 
 # files a run writes into --out (plots only without --no-plots)
 RESULT_FILES = ("results.jsonl", "summary.json", "report.md", "speedup.png", "acceptance.png",
-                "cycle_split.png")
+                "cycle_split.png", "headline.md", "headline.json", "headline.png")
 
 
 def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plots: bool = True,

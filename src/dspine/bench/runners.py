@@ -1,7 +1,9 @@
 """One runner per benchmark mode, all over the *same* loaded :class:`~dspine.target.Target`.
 
-* :class:`EngineRunner`: ``ar``, ``dflash``, ``dspine`` through :class:`dspine.engine.Engine`
-  (the same loop, sampler and stop logic; only the proposer differs).
+* :class:`EngineRunner`: ``ar``, ``dflash``, ``dspine``, ``ngram`` (copies alone) and
+  ``dspine-drafter`` (the DSpine drafter alone: no copies, single chains, whole blocks
+  verified) through :class:`dspine.engine.Engine` (the same loop, sampler and stop logic;
+  only the proposer differs).
 * :class:`HFRunner`: ``hf`` (plain ``model.generate``) and ``hf-pld`` (``generate`` with
   ``prompt_lookup_num_tokens``), the peers a user would pick. TTFT and cycles come
   from a streamer: transformers puts the prompt, then the tokens of every cycle.
@@ -23,7 +25,15 @@ import torch
 
 from ..config import SamplingConfig
 
-ENGINE_MODES = ("ar", "dflash", "dspine", "ngram")  # ngram: our own prompt lookup (no drafter)
+ENGINE_MODES = ("ar", "dflash", "dspine", "ngram", "dspine-drafter")  # ngram: our own prompt lookup (no drafter)
+#: modes that run a fixed configuration whatever the run's --proposer / --verify-policy / tree:
+#: the drafter alone (single chain, the whole block verified every cycle)
+FIXED_MODES = {"dspine-drafter": dict(drafter="dspine", proposer="drafter", verify_policy="fixed")}
+
+
+def drafter_kind(mode: str) -> str:
+    """The drafter a mode runs (``dspine`` / ``dflash``), ``mode`` itself for the others."""
+    return FIXED_MODES.get(mode, {}).get("drafter", mode)
 HF_MODES = ("hf", "hf-pld")
 ALL_MODES = ENGINE_MODES + HF_MODES
 
@@ -179,6 +189,7 @@ class EngineRunner(Runner):
         from ..proposers import make_proposer
 
         self.mode = mode
+        kind = drafter_kind(mode)
         self.drafter_path, self.card = None, {}
         self.proposer = proposer if mode not in ("ar", "ngram") else ("ngram" if mode == "ngram" else None)
         if mode == "ar":
@@ -196,13 +207,13 @@ class EngineRunner(Runner):
             raise EngineError(f"--mode {mode} needs a drafter (a checkpoint directory or 'random')")
         dt = target.dtype
         if drafter == "random":
-            model = random_drafter(target, mode=mode, block_size=16 if block_size is None else block_size, seed=seed, dtype=dt)
+            model = random_drafter(target, mode=kind, block_size=16 if block_size is None else block_size, seed=seed, dtype=dt)
             self.drafter_path = "random"
         else:
             model = load_drafter(drafter, target, dtype=dt, block_size=block_size)
-            if model.cfg.bridge != (mode == "dspine"):
-                raise EngineError(f"--drafter-{mode} {drafter} was trained as {model.cfg.mode}, "
-                                  f"not {mode}")
+            if model.cfg.bridge != (kind == "dspine"):
+                raise EngineError(f"--drafter-{kind} {drafter} was trained as {model.cfg.mode}, "
+                                  f"not {kind}")
             self.drafter_path, self.card = str(drafter), read_card(drafter)
             w = Path(drafter) / "model.safetensors"
             if w.is_file():  # which weights ran, beyond the path (a path's content changes with commits)
@@ -211,7 +222,7 @@ class EngineRunner(Runner):
                 self.drafter_sha256 = sha256_file(w)[:16]
         self.block_size = model.cfg.block_size
         self.drafter_cfg = model.cfg
-        self.engine = drafter_engine(target, model, drafter, mode, proposer=proposer, verify_policy=verify_policy,
+        self.engine = drafter_engine(target, model, drafter, kind, proposer=proposer, verify_policy=verify_policy,
                                      tree=tree, head_kernel=head_kernel, drafter_linears=drafter_linears,
                                      draft_vocab=draft_vocab, progress=True)
         drafting = getattr(self.engine.proposer, "drafter_proposer", self.engine.proposer)
@@ -460,6 +471,13 @@ def make_runner(target, mode: str, drafters: dict, block_size: int | None, seed:
     ``proposer``: what the drafter modes propose with, :data:`dspine.proposers.PROPOSERS`;
     ``tree``: the drafter modes' :class:`dspine.trees.TreeSpec`; ``drafter_linears`` /
     ``draft_vocab`` / ``head_kernel``: how their drafter runs, as in :class:`EngineRunner`)."""
+    if mode in FIXED_MODES:
+        f = FIXED_MODES[mode]
+        r = EngineRunner(target, mode, drafters.get(f["drafter"]), block_size, seed, proposer=f["proposer"],
+                         verify_policy=f["verify_policy"], tree=None, drafter_linears=drafter_linears,
+                         draft_vocab=draft_vocab, head_kernel=head_kernel)
+        r.verify_policy = f["verify_policy"]
+        return r
     if mode in ENGINE_MODES:
         r = EngineRunner(target, mode, drafters.get(mode), block_size, seed, proposer=proposer,
                          verify_policy=verify_policy if mode != "ar" else "fixed",

@@ -26,6 +26,13 @@ Workloads (``name``: source, default output budget):
   (JSON, indented) to be rewritten as YAML (4 per category from the second row on: 16,
   none of them in ``tools``), chat template, 384 new tokens; the answer's YAML must load to
   the same document.
+* ``stdlib``: code continuation, cuts of held-out Python stdlib modules ending after a
+  function header (:func:`dspine.data.sources.iter_stdlib_prompts`; held-out prompts 16-23:
+  the first 16 tuned the trees and the copy bonus), raw completion, 128 new tokens. The
+  cut's text comes from the running Python's stdlib: another Python version may lack a cut
+  (skipped and reported).
+* ``sharegpt``: open chat, held-out ShareGPT first turns (held-out prompts 16-23), chat
+  template, 128 new tokens.
 
 Prompts are tokenized with the target at run time (:func:`build_prompts`), so every
 mode of a run gets the same token ids.
@@ -41,7 +48,10 @@ from pathlib import Path
 
 WORKLOADS_PATH = Path(__file__).with_name("workloads.json")
 SET_FORMAT = "dspine-bench-workloads/1"
-WORKLOAD_NAMES = ("short", "long", "code", "multifile", "tools", "edit", "convert")
+WORKLOAD_NAMES = ("short", "long", "code", "multifile", "tools", "edit", "convert", "stdlib", "sharegpt")
+#: held-out prompts of the ``stdlib`` / ``sharegpt`` workloads: after the first 16 of each
+#: set, which tuned the draft trees and the copy bonus
+HELDOUT_OFFSET, HELDOUT_COUNT = 16, 8
 # Codex / HumanEval stop sequences (a new top-level statement ends the completion).
 HUMANEVAL_STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 WARMUP_PROMPT = "Say hello in five words."
@@ -160,6 +170,29 @@ def _select_convert(per_category: int = 4) -> list[str]:
     return out
 
 
+def _select_heldout(kind: str) -> list[str]:
+    from ..data.sources import heldout_prompts
+
+    return [r["id"] for r in heldout_prompts(kind, HELDOUT_OFFSET + HELDOUT_COUNT)[HELDOUT_OFFSET:]]
+
+
+def _heldout_rows(kind: str, ids: list[str]) -> dict[str, dict]:
+    """The held-out prompt records of ``kind`` (``code`` / ``chat``) with these ids."""
+    from ..data.sources import iter_sharegpt, iter_stdlib_prompts
+
+    want = set(ids)
+    if kind == "code":  # ids are module:offset; read each module once
+        mods = sorted({i.rsplit(":", 1)[0] for i in ids})
+        return {r["id"]: r for m in mods for r in iter_stdlib_prompts(modules=[m]) if r["id"] in want}
+    out = {}
+    for r in iter_sharegpt():
+        if r["id"] in want:
+            out[r["id"]] = r
+            if len(out) == len(want):
+                break
+    return out
+
+
 def convert_document(row: dict) -> dict:
     """The JSON document a ``convert`` prompt asks to rewrite: the row's first function schema."""
     return row["functions"][0]
@@ -187,6 +220,10 @@ def workload_set() -> dict:
                      "ids": _select_edit()},
             "convert": {"version": 1, "source": "bfcl", "template": "chat", "max_new_tokens": 384,
                         "ids": _select_convert()},
+            "stdlib": {"version": 1, "source": "stdlib-heldout", "template": "raw", "max_new_tokens": 128,
+                       "ids": _select_heldout("code")},
+            "sharegpt": {"version": 1, "source": "sharegpt-heldout", "template": "chat", "max_new_tokens": 128,
+                         "ids": _select_heldout("chat")},
         },
     }
 
@@ -382,6 +419,17 @@ def build_prompts(target, names: list[str], limit: int | None = None, context_to
                 text = CONVERT_INSTRUCTION.format(document=json.dumps(doc, indent=2, ensure_ascii=False))
                 ids = _encode_chat(target, [{"role": "user", "content": text}])
                 made.append(BenchPrompt(name, rid, ids, mnt, [], {"document": doc}))
+        elif name in ("stdlib", "sharegpt"):
+            rows = _heldout_rows("code" if name == "stdlib" else "chat", ids_wanted)
+            for rid in ids_wanted:
+                r = rows.get(rid)
+                if r is None:
+                    skipped.append({"workload": name, "id": rid, "reason": "prompt unavailable (another "
+                                                                          "Python's stdlib?)"})
+                    continue
+                ids = (target.encode_prompt(r["prompt"], chat=False) if name == "stdlib"
+                       else _encode_chat(target, [{"role": "user", "content": r["prompt"]}]))
+                made.append(BenchPrompt(name, rid, ids, mnt, [], {}))
         for p in made:
             if len(p.prompt_ids) > budget:
                 skipped.append({"workload": name, "id": p.id,
