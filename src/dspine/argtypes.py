@@ -12,7 +12,7 @@ import argparse
 PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
 #: draft-tree nodes per cycle of ``generate`` and ``bench`` by default (dspine.trees), an upper
 #: bound for the per-cycle size (``--tree-size cost``): the budget that was fastest with the default
-#: proposer and cost policy in benchmarks/tree_size.json (AVX2 AMD EPYC; docs/decisions.md
+#: proposer and cost policy in benchmarks/archive/tree_size.json (AVX2 AMD EPYC; docs/decisions.md
 #: "Per-cycle tree size"); ``acceptance`` defaults to chains (0)
 DEFAULT_TREE_BUDGET = 16
 DEFAULT_SERVE_TREE_BUDGET = 16  # `dspine serve` (measured: docs/decisions.md, 2026-12-03)

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from .config import SamplingConfig
+from .core.stopping import StopDetector
 from .proposers.base import Plan, Proposal, Proposer
 from .sampling import filter_probs, make_generator, sample_index, sample_token, uniform
 from .target import Target, TargetCache
@@ -117,6 +118,7 @@ class Request:
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
+    stops: StopDetector | None = None  # incremental stop-string detection (None: no stop strings)
 
     def count_acceptance(self, n: int, a: int) -> None:
         """Record a cycle that drafted ``n`` positions and accepted the first ``a``."""
@@ -251,6 +253,8 @@ class Engine:
                       self.proposer.new_state(prompt_ids) if self.proposer else None)
         if self.proposer is not None and hasattr(self.proposer, "set_tenant"):
             self.proposer.set_tenant(req.draft_state, tenant)
+        if req.stop:
+            req.stops = StopDetector(self.target.tokenizer, req.stop)
         req.t_start = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=self.target.device)
         out = self.target.forward(ids, req.cache, self.feature_layers, logits_to_keep=1)
@@ -353,16 +357,15 @@ class Engine:
         tokens kept, never by a dropped token's own value, and every output the full chain
         can emit is emitted with the same probability (a rejection at or before the cut
         is drawn as before; past it the request has ended); see
-        ``tests/test_engine_finish.py``. The stop-string test decodes the output once per
-        cycle and, only when that text holds a stop, once per proposal."""
+        ``tests/test_engine_finish.py``. The stop-string test decodes the proposals and a few
+        tokens before them (:class:`dspine.core.stopping.StopDetector`), not the output."""
         toks = prop.tokens.tolist()
         eos = self.target.eos_token_ids
         k = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
-        if req.stop and k > 0:
-            tok = self.target.tokenizer
-            if any(s in tok.decode(req.out_ids + toks[:k], skip_special_tokens=True) for s in req.stop):
-                k = next((i for i in range(1, k + 1) if any(
-                    s in tok.decode(req.out_ids + toks[:i], skip_special_tokens=True) for s in req.stop)), k)
+        if req.stops is not None and k > 0:
+            n = len(req.out_ids)
+            j = req.stops.first_stop(req.out_ids + toks[:k], n)
+            k = k if j is None else j - n
         if k >= len(toks):
             return prop
         prop.tokens = prop.tokens[:k]
@@ -445,14 +448,15 @@ class Engine:
         """End the output at the first token after which the decoded text holds a stop
         string, checking the text after *each* token emitted this cycle, as the plain
         one-token loop does (an intermediate text can hold a stop that the whole block's
-        text does not, e.g. U+FFFD of a UTF-8 character split over byte tokens)."""
-        tok = self.target.tokenizer
-        for k in range(start + 1, len(req.out_ids) + 1):
-            t = tok.decode(req.out_ids[:k], skip_special_tokens=True)
-            if any(s in t for s in req.stop):
-                del req.out_ids[k:]
-                req.finished, req.finish_reason = True, "stop"
-                return
+        text does not, e.g. U+FFFD of a UTF-8 character split over byte tokens).
+        Incremental: each token decodes a few tokens, not the whole output
+        (:class:`dspine.core.stopping.StopDetector`)."""
+        k = req.stops.first_stop(req.out_ids, start)
+        if k is None:
+            req.stops.advance(req.out_ids)
+            return
+        del req.out_ids[k:]
+        req.finished, req.finish_reason = True, "stop"
 
     def text_of(self, req: Request) -> str:
         """Decoded output, cut before the first stop string."""

@@ -29,7 +29,7 @@ the conv window, but leaves the recurrent state at the end of the pass). ReplayS
 
 The naive alternative (restore the committed state and re-run the target over the
 accepted tokens, :func:`rerun_rollback`) is the baseline in
-``benchmarks/replay_vs_rerun.py``.
+``benchmarks/archive/replay_vs_rerun.py``.
 
 Guards (spec s.8): the recurrent state must be float32 (a config asking for another
 dtype via ``recurrent_state_dtype`` / ``mamba_ssm_dtype`` / ``mamba_ssm_cache_dtype`` /
@@ -285,7 +285,7 @@ class ReplayCache(TargetCache):
         batched: replay all linear layers in one kernel call (default) or layer by layer.
         kernel: ``recurrent`` (the model's token-by-token kernel), ``chunk`` (its chunked
             kernel) or ``auto``: recurrent up to :data:`REPLAY_CHUNK_FROM` - 1 tokens,
-            chunked from there (measured in ``benchmarks/replay_vs_rerun.py``).
+            chunked from there (measured in ``benchmarks/archive/replay_vs_rerun.py``).
     Raises:
         HybridTargetError: the model is not a supported hybrid.
     """

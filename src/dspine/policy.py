@@ -403,7 +403,7 @@ class CostModelPolicy(VerifyPolicy):
         depth_prior: the prior of position j > 1 is the estimate at position j - 1
             (:meth:`confidence`); False (the default): ``prior_accept`` at every position.
             Measured on 2026-12-04 and not adopted: 0.91-1.10x the default over three runs,
-            edits slower in all three (``benchmarks/contested_copies.py``, docs/decisions.md).
+            edits slower in all three (``benchmarks/archive/contested_copies.py``, docs/decisions.md).
     """
 
     name = "cost"

@@ -61,7 +61,7 @@ class HybridProposer(Proposer):
             apart by the cost policy. Off by default: such copies are right far less often
             (13-36% of first tokens against 49-98%, measured offline), yet pricing them apart
             changed decode speed by no more than the noise (0.96-1.07x on five workloads in
-            four runs, ``benchmarks/contested_copies.py``, docs/decisions.md, 2026-12-04):
+            four runs, ``benchmarks/archive/contested_copies.py``, docs/decisions.md, 2026-12-04):
             the cost policy already verifies few of them.
         fuse_bonus: when set (``--copy-bonus``) and the drafter has a final stage, a cycle
             that drafts while a copy is on offer becomes source ``fused``: the copied

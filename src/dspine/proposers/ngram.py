@@ -49,7 +49,7 @@ class NgramIndex:
             (:class:`.cache.CacheView`), or None.
     """
 
-    MAX_NGRAM = 16  # longer matches change nothing measurable (benchmarks/ngram_tuning.json); memory ~ max x context
+    MAX_NGRAM = 16  # longer matches change nothing measurable (benchmarks/archive/ngram_tuning.json); memory ~ max x context
 
     def __init__(self, max_ngram: int = 4, contested: bool = False):
         if not 1 <= max_ngram <= self.MAX_NGRAM:
@@ -124,7 +124,7 @@ class NgramIndex:
         target-written data, the first 800 chat and 800 code answers: a first copied token
         right 13% / 22% of the time after a contested one-token match against 49% / 63%
         after a repeat followed alike, 30% / 36% against 98% for longer matches;
-        ``benchmarks/contested_offline.py``, docs/decisions.md).
+        ``benchmarks/archive/contested_offline.py``, docs/decisions.md).
         False when the suffix occurred fewer than two times. Reads committed tokens and the
         anchor only.
 

@@ -6,7 +6,7 @@ contiguous, as checkpoints hold it) ran that GEMV at ~7 GB/s on the 2-core AMD E
 (AVX2) of this project, while the same product with W stored column-major
 (``W.t()`` contiguous, so ``F.linear`` calls ``addmm(x, W^T)`` on a contiguous
 [in, out] matrix) ran at ~10-12 GB/s: the whole SmolLM2-135M step went from ~110-120 ms
-to ~75 ms (``benchmarks/linear_backend.py``). Whether it pays depends on the CPU and
+to ~75 ms (``benchmarks/archive/linear_backend.py``). Whether it pays depends on the CPU and
 BLAS, so ``--linear-backend auto`` measures it (:mod:`dspine.runtime.packed`).
 
 The change is in place and costs no memory: each weight ``Parameter`` keeps its shape

@@ -6,7 +6,7 @@ elsewhere (hybrid Gated-DeltaNet targets, sliding windows, other architectures).
 dense runtime runs the same modules and weights with less Python around them, so it is
 not a kernel choice that depends on the CPU: its float32 logits are bit-identical to
 transformers' on the tested targets (``tests/test_dense_runtime.py``) and it was faster
-on every shape measured (``benchmarks/target_runtime.py``).
+on every shape measured (``benchmarks/archive/target_runtime.py``).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ evaluation nor held-out prompts. The first 64 answer tokens of each row are used
 policy (every copy found is verified in full), the first answer token comes from the
 prefill as in the engine.
 
-Usage: python benchmarks/ngram_tuning.py [--out benchmarks/ngram_tuning.json]
+Usage: python benchmarks/archive/ngram_tuning.py [--out benchmarks/archive/ngram_tuning.json]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from dspine.proposers.ngram import NgramIndex
 from dspine.tune.machine import describe
 
-DATA = Path(__file__).resolve().parent.parent / "training-data" / "smollm2-135m-regen"
+DATA = Path(__file__).resolve().parents[2] / "training-data" / "smollm2-135m-regen"
 
 
 def simulate(rows: list[dict], max_ngram: int, min_match: int, tokens: int = 64, n_max: int = 15) -> dict:
@@ -47,7 +47,7 @@ def simulate(rows: list[dict], max_ngram: int, min_match: int, tokens: int = 64,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/ngram_tuning.json")
+    ap.add_argument("--out", default="benchmarks/archive/ngram_tuning.json")
     args = ap.parse_args()
     rows = []
     for shard in sorted(DATA.glob("data-*.jsonl.gz")):

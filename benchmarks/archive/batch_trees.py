@@ -9,7 +9,7 @@ either draft trees sized per cycle (``--tree-budget B``, ``--tree-size cost``) o
 second of the whole batch (decode only: prefill is the same in both). Greedy output ids of the
 two must be equal (both are the target's own).
 
-    python benchmarks/batch_trees.py --concurrency 1 2 4 --rounds 2 --out benchmarks/batch_trees_avx512.json
+    python benchmarks/archive/batch_trees.py --concurrency 1 2 4 --rounds 2 --out benchmarks/archive/batch_trees_avx512.json
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def main() -> None:
                            "tree_cycles": tree_cycles["trees"], "same_ids": ids["trees"] == ids["chains"]}
     out = {"machine": describe("cpu"), "threads": args.threads, "load_start": load0, "load_end": os.getloadavg(),
            "tokens": args.tokens, "rounds": args.rounds, "prompts": len(prompts), "table": table, "runs": runs,
-           "command": "python benchmarks/batch_trees.py " + " ".join(
+           "command": "python benchmarks/archive/batch_trees.py " + " ".join(
                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                for k, v in vars(args).items() if v is not None and k != "out")}
     for k, v in table.items():

@@ -13,7 +13,7 @@ within each backend DSpine must equal ``ar`` (checked).
 
 ``-python`` backends: the same linears with the lean decode path off (:mod:`dspine.runtime.lean`).
 
-Usage: python benchmarks/target_runtime.py [--rounds 2] [--tokens 128] [--out benchmarks/target_runtime.json]
+Usage: python benchmarks/archive/target_runtime.py [--rounds 2] [--tokens 128] [--out benchmarks/archive/target_runtime.json]
        [--configs "hf/aten ar,dense/mixed ar,dense/blockq ar,hf-generate,dense/mixed dspine,dense/blockq dspine"]
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dspine.target import load_target
 from dspine.trees import TreeSpec
 from dspine.tune.machine import describe, machine_info
 
-PROMPTS = {  # held out of training and of the bench workloads (as benchmarks/linear_backend.py)
+PROMPTS = {  # held out of training and of the bench workloads (as benchmarks/archive/linear_backend.py)
     "code": "Write a Python function that merges two sorted lists into one sorted list.",
     "chat": "What are three good habits for staying focused while studying?",
     "code2": "Write a Python class Stack with push, pop and peek methods.",
@@ -82,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--out", default="benchmarks/target_runtime.json")
+    ap.add_argument("--out", default="benchmarks/archive/target_runtime.json")
     ap.add_argument("--configs", default=None, help="comma list of configuration labels (default: all)")
     a = ap.parse_args()
     global CONFIGS

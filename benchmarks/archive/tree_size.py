@@ -10,8 +10,8 @@ rotating order; medians of output tokens/s after prefill, pooled tau, mean verif
 and per-(round, prompt) ratios against the chain (or the fixed tree with ``--fixed8``). Every run's ids are checked
 equal to ``ar``'s.
 
-Usage: python benchmarks/tree_size.py [--rounds 2] [--tokens 96] [--prompts 4]
-       [--budgets 8,16,32] [--drafter-linears auto] [--draft-vocab auto] [--out benchmarks/tree_size.json]
+Usage: python benchmarks/archive/tree_size.py [--rounds 2] [--tokens 96] [--prompts 4]
+       [--budgets 8,16,32] [--drafter-linears auto] [--draft-vocab auto] [--out benchmarks/archive/tree_size.json]
 (``--drafter-linears auto --draft-vocab auto``: the drafter as ``dspine generate`` runs it;
 the defaults keep the 2026-12-02 setting, float32 linears over the whole vocabulary.)
 """
@@ -47,7 +47,7 @@ def main() -> None:
                     help="the drafter's own linears (dspine generate's default: auto)")
     ap.add_argument("--draft-vocab", default="full", choices=("auto", "full", "subset"),
                     help="the candidate pass's vocabulary (dspine generate's default: auto)")
-    ap.add_argument("--out", default="benchmarks/tree_size.json")
+    ap.add_argument("--out", default="benchmarks/archive/tree_size.json")
     a = ap.parse_args()
     t, backend, drafter = load_smollm2_dense(a.linear_backend)
     load0 = os.getloadavg()[0]

@@ -12,7 +12,7 @@ earlier occurrences were followed by different tokens (``contested``), the same 
 copied token is the target's next token and the mean number of copied tokens accepted
 (of up to 8). Greedy answers of SmolLM2-135M; positions, not decoding cycles.
 
-    python benchmarks/contested_offline.py --out benchmarks/contested_offline.json
+    python benchmarks/archive/contested_offline.py --out benchmarks/archive/contested_offline.json
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import gzip
 import json
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "training-data" / "smollm2-135m-regen"
+DATA = Path(__file__).resolve().parents[2] / "training-data" / "smollm2-135m-regen"
 
 
 def classify(rows: list[dict], max_ngram: int) -> dict:

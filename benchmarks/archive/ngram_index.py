@@ -6,7 +6,7 @@ SmolLM2-tokenized text: the Python standard library's ``json/decoder.py``, repea
 length). The automaton's lookup walks the query suffix (<= ``max_ngram`` tokens) from the
 root; it finds matches of any length, the hashed index up to ``max_ngram``.
 
-Usage: python benchmarks/ngram_index.py [--out benchmarks/ngram_index.json]
+Usage: python benchmarks/archive/ngram_index.py [--out benchmarks/archive/ngram_index.json]
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def tokens_of_text(n: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/ngram_index.json")
+    ap.add_argument("--out", default="benchmarks/archive/ngram_index.json")
     ap.add_argument("--max-ngram", type=int, default=4)
     args = ap.parse_args()
     load = others_cpu_load()

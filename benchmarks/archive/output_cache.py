@@ -13,8 +13,8 @@ one with it run back to back (order alternating per prompt); their ids must be e
 Reports per workload: pooled tau, the per-source acceptance of the copies, median
 tokens/s and the median of the per-prompt speed ratios.
 
-Usage: python benchmarks/output_cache.py [--workloads tools,edit,short] [--n 16] [--resend 4]
-       [--max-new-tokens 128] [--cache-tokens 100000] [--out benchmarks/output_cache.json]
+Usage: python benchmarks/archive/output_cache.py [--workloads tools,edit,short] [--n 16] [--resend 4]
+       [--max-new-tokens 128] [--cache-tokens 100000] [--out benchmarks/archive/output_cache.json]
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--cache-tokens", type=int, default=100_000)
     ap.add_argument("--linear-backend", default="auto")
-    ap.add_argument("--out", default="benchmarks/output_cache.json")
+    ap.add_argument("--out", default="benchmarks/archive/output_cache.json")
     a = ap.parse_args()
     t, backend, drafter = load_smollm2_dense(a.linear_backend)
     load0, busy0 = os.getloadavg()[0], others_cpu_load()

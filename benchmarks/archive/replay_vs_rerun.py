@@ -19,7 +19,7 @@ states of the methods are compared (max abs difference) to show they are all exa
 Also reported: the verification forward with the ReplayCache (capture on) vs with
 transformers' plain DynamicCache (no capture), i.e. the capture overhead.
 
-Usage: python benchmarks/replay_vs_rerun.py [--reps 9] [--out benchmarks/replay_vs_rerun.json]
+Usage: python benchmarks/archive/replay_vs_rerun.py [--reps 9] [--out benchmarks/archive/replay_vs_rerun.json]
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ answers) and others named in ``--workloads`` (EOS only). Every (round, prompt) r
 three configurations in a rotated order, each engine keeping its policies across
 requests; greedy ids must equal ``ar``'s. Decode time only (TTFT excluded), as the bench.
 
-    python benchmarks/finish_cut.py --out benchmarks/finish_cut_avx512.json
+    python benchmarks/archive/finish_cut.py --out benchmarks/archive/finish_cut_avx512.json
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def main() -> None:
     summary = {"what": "default (proposals past a finishing token dropped) vs the same engine verifying them "
                        "(no-cut) vs ar; greedy, one process, rotated order; ratios: tok/s of the first over the "
                        "second (decode only), median of per-prompt medians and pooled",
-               "command": "python benchmarks/finish_cut.py " + " ".join(sys.argv[1:]), "machine": mi,
+               "command": "python benchmarks/archive/finish_cut.py " + " ".join(sys.argv[1:]), "machine": mi,
                "commit": commit, "load_avg_1m_start": round(load0, 2), "load_avg_1m_end": round(os.getloadavg()[0], 2),
                "wall_s": round(time.time() - t0, 1),
                "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

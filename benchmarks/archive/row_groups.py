@@ -8,7 +8,7 @@ the weights stream from memory as in a real forward) is timed for each row count
 alternating the two builds, median of ``--repeats``. Rows are the tokens of a forward: 1 for
 a decode step, n + 1 for a verification of n proposals, up to 17 for a 16-node tree.
 
-    python benchmarks/row_groups.py --base b6b46bb --out benchmarks/row_groups_avx512.json
+    python benchmarks/archive/row_groups.py --base b6b46bb --out benchmarks/archive/row_groups_avx512.json
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "dspine" / "runtime" / "kernels" / "blockq.cpp"
+SOURCE = Path(__file__).resolve().parents[2] / "src" / "dspine" / "runtime" / "kernels" / "blockq.cpp"
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17)
 
 
@@ -97,7 +97,7 @@ def main() -> None:
                             cwd=SOURCE.parents[4]).stdout.strip()
     summary = {"what": "one pass over SmolLM2-135M-shaped blockq linears (30 layers Q4_1 + Q8_0 head) per row count, "
                        "this tree's kernels vs --base's, alternated in one process, median of repeats",
-               "command": "python benchmarks/row_groups.py " + " ".join(sys.argv[1:]), "machine": mi,
+               "command": "python benchmarks/archive/row_groups.py " + " ".join(sys.argv[1:]), "machine": mi,
                "commit": commit, "base": args.base, "threads": args.threads, "load_avg_1m_start": round(load0, 2),
                "load_avg_1m_end": round(os.getloadavg()[0], 2), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

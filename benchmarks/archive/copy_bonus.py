@@ -8,8 +8,8 @@ tunes on training rows (the committed ``training-data/smollm2-135m-regen`` promp
 evaluation or held-out prompts); ``--split heldout`` then measures the chosen bonus on the
 held-out sets (``heldout_prompts``), as the README's tau table does.
 
-Usage: python benchmarks/copy_bonus.py --split train [--bonuses 0,2,4,8] [--n 12]
-       [--out benchmarks/copy_bonus_train.json]
+Usage: python benchmarks/archive/copy_bonus.py --split train [--bonuses 0,2,4,8] [--n 12]
+       [--out benchmarks/archive/copy_bonus_train.json]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from dspine.proposers import make_proposer
 from dspine.target import load_target
 from dspine.tune.machine import describe
 
-DATA = Path(__file__).resolve().parent.parent / "training-data" / "smollm2-135m-regen"
+DATA = Path(__file__).resolve().parents[2] / "training-data" / "smollm2-135m-regen"
 
 
 def prompt_sets(t, split: str, n: int) -> dict[str, list[list[int]]]:

@@ -12,7 +12,7 @@ After each commit the measured ``nbytes()`` of both layouts is recorded next to 
 estimate of :func:`dspine.memory.estimate`. Writes ``memory_window.json`` and
 ``memory_window.png`` next to this script (or into ``--out``).
 
-    python benchmarks/memory_window.py [--context 8192] [--dtype bfloat16]
+    python benchmarks/archive/memory_window.py [--context 8192] [--dtype bfloat16]
 """
 from __future__ import annotations
 

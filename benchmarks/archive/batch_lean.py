@@ -9,7 +9,7 @@ C++ call) and once with it switched off (transformers' forward over the padded b
 the whole batch (decode only: prefill is the same single-request path in both). Output ids of the
 two must be equal.
 
-    python benchmarks/batch_lean.py --concurrency 1 2 4 --rounds 2 --out benchmarks/batch_lean_avx512.json
+    python benchmarks/archive/batch_lean.py --concurrency 1 2 4 --rounds 2 --out benchmarks/archive/batch_lean_avx512.json
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def main() -> None:
                                       "same_ids": ids["lean"] == ids["transformers"]}
     out = {"machine": describe("cpu"), "threads": args.threads, "load_start": load0, "load_end": os.getloadavg(),
            "tokens": args.tokens, "rounds": args.rounds, "table": table, "runs": runs,
-           "command": "python benchmarks/batch_lean.py " + " ".join(
+           "command": "python benchmarks/archive/batch_lean.py " + " ".join(
                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                for k, v in vars(args).items() if v is not None and k != "out")}
     for k, v in table.items():

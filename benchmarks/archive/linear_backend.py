@@ -8,7 +8,7 @@ prefill, and ratios within the round. Greedy float32: all four runs of a prompt 
 the same ids (checked). Also the target forward over 1, 2, 4, 8 and 16 tokens after a
 64-token context per backend (the cost-policy curve's measurement).
 
-Usage: python benchmarks/linear_backend.py [--rounds 3] [--tokens 96] [--out benchmarks/linear_backend.json]
+Usage: python benchmarks/archive/linear_backend.py [--rounds 3] [--tokens 96] [--out benchmarks/archive/linear_backend.json]
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--out", default="benchmarks/linear_backend.json")
+    ap.add_argument("--out", default="benchmarks/archive/linear_backend.json")
     a = ap.parse_args()
     t = load_target("smollm2-135m", dtype="float32")
     drafter = load_drafter(DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", t)

@@ -25,7 +25,7 @@ the three configurations in a rotated order; each engine keeps its policies acro
 (as ``serve`` does), the two drafter engines share the target and the drafter weights.
 Output ids of every configuration must equal ``ar``'s (greedy is lossless).
 
-    python benchmarks/contested_copies.py --out benchmarks/contested_copies_avx512.json
+    python benchmarks/archive/contested_copies.py --out benchmarks/archive/contested_copies_avx512.json
 """
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def main() -> None:
         "what": "the default, the default with contested copies priced apart (split), the same with the cost "
                 "policy's depth prior (depth), and ar; greedy, one process, rotated order per (round, prompt); "
                 "ratios are tok/s of the first over the second (decode only)",
-        "command": "python benchmarks/contested_copies.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/archive/contested_copies.py " + " ".join(sys.argv[1:]),
         "machine": mi, "commit": commit, "load_avg_1m_start": round(load0, 2),
         "load_avg_1m_end": round(os.getloadavg()[0], 2), "wall_s": round(time.time() - t_start, 1),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -10,8 +10,8 @@ Run the bench with full blocks so that τ is the proposer's, not the cost policy
 
     dspine bench --modes dspine --verify-policy fixed --tree-budget 0 \\
         --workloads tools,edit,multifile --limit 16 --settings greedy --repeats 1 --out DIR
-    python benchmarks/tau_by_answer.py chain=DIR/results.jsonl tree16=DIR2/results.jsonl \
-        --out benchmarks/copy-heavy/tau.json --plot benchmarks/copy-heavy/tau.png
+    python benchmarks/archive/tau_by_answer.py chain=DIR/results.jsonl tree16=DIR2/results.jsonl \
+        --out benchmarks/archive/copy-heavy/tau.json --plot benchmarks/archive/copy-heavy/tau.png
 
 Each positional argument is ``LABEL=results.jsonl`` (one configuration per label, e.g. chains
 and draft trees; the results of several runs of one configuration may be concatenated);

@@ -11,7 +11,7 @@ greedy, EOS ignored; medians of output tokens/s after prefill and paired ratios.
 target is another model than the original: its DSpine ids must equal its own ``ar`` (checked),
 and how many prompts keep the original's greedy ids is reported.
 
-    python benchmarks/target_weights.py --rounds 2 --tokens 96 --prompts 2 --out benchmarks/target_weights_avx512.json
+    python benchmarks/archive/target_weights.py --rounds 2 --tokens 96 --prompts 2 --out benchmarks/archive/target_weights_avx512.json
 """
 from __future__ import annotations
 

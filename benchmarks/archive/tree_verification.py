@@ -13,8 +13,8 @@
 3. Sampled (temperature 0.7, top-p 0.95): the drafter alone as a chain and as trees
    (static widths 4,2,1 under the budget), tau and tokens/s.
 
-Usage: python benchmarks/tree_verification.py [--rounds 2] [--tokens 96] [--prompts 4]
-       [--budgets 16,32] [--out benchmarks/tree_verification.json]
+Usage: python benchmarks/archive/tree_verification.py [--rounds 2] [--tokens 96] [--prompts 4]
+       [--budgets 16,32] [--out benchmarks/archive/tree_verification.json]
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (code, chat)")
     ap.add_argument("--budgets", default="16,32")
     ap.add_argument("--linear-backend", default="auto")
-    ap.add_argument("--out", default="benchmarks/tree_verification.json")
+    ap.add_argument("--out", default="benchmarks/archive/tree_verification.json")
     a = ap.parse_args()
     t, backend, drafter = load_smollm2_dense(a.linear_backend)
     load0 = os.getloadavg()[0]
