@@ -32,7 +32,9 @@ import pytest
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.base import Proposal, Proposer
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.target import load_target
 
@@ -199,6 +201,36 @@ class MixedProposer(OracleProposer):
         good = state.cycles % self.block_size
         ora = self.oracle_tokens(state, anchor_pos, n)
         return [t if i < good else (t + 1) % self.vocab for i, t in enumerate(ora)]
+
+
+class KnownContinuation(Proposer):
+    """Proposes a known continuation of each prompt (``refs``: prompt ids tuple -> the ids
+    that follow, e.g. the target's greedy output), reading it by absolute position; past
+    its end it proposes token 1. ``wrong(cycle, anchor_pos, n)`` names the proposal index
+    to corrupt (``(t + 1) % vocab``) in a cycle: ``None`` keeps it, ``"all"`` corrupts every
+    proposal. ``needs_features``: the engine captures the target's layer 0 for it (as a
+    drafter's features are captured, then ignored) or nothing."""
+
+    feature_layers = [0]
+
+    def __init__(self, refs: dict[tuple, list[int]], block_size: int = 16, vocab: int = 256, wrong=None,
+                 needs_features: bool = True):
+        self.refs, self.block_size, self.vocab, self.wrong = refs, block_size, vocab, wrong
+        self.needs_features = needs_features
+        self.cycles = 0
+
+    def new_state(self, prompt_ids):
+        return list(prompt_ids) + list(self.refs[tuple(prompt_ids)])
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
+        toks = [state[anchor_pos + 1 + i] if anchor_pos + 1 + i < len(state) else 1 for i in range(n)]
+        bad = self.wrong(self.cycles, anchor_pos, n) if self.wrong else None
+        self.cycles += 1
+        if bad == "all":
+            toks = [(t + 1) % self.vocab for t in toks]
+        elif bad is not None and bad < n:
+            toks[bad] = (toks[bad] + 1) % self.vocab or 1
+        return Proposal(torch.tensor(toks, dtype=torch.long))
 
 
 def random_proposer(target, mode: str, block_size: int, **overrides) -> DrafterProposer:

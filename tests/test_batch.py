@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import KnownContinuation
 from dspine.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine, EngineError
 from dspine.target import load_target
 
@@ -47,31 +49,6 @@ def ref_greedy(ar, prompts):
     return [ar.generate(p, max_new_tokens=m) for p, m in zip(prompts, LENS)]
 
 
-class OracleProposer(Proposer):
-    """Proposes the target's own greedy continuation (every proposal is accepted)."""
-
-    feature_layers = [0]
-    block_size = 16
-
-    def __init__(self, refs: dict[tuple, list[int]], wrong_every: int = 0):
-        self.refs, self.wrong_every = refs, wrong_every
-
-    def new_state(self, prompt_ids):
-        return {"seq": list(prompt_ids) + self.refs[tuple(prompt_ids)]}
-
-    def commit(self, state, features, start_pos):
-        pass
-
-    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
-        seq = state["seq"]
-        toks = [seq[anchor_pos + 1 + i] if anchor_pos + 1 + i < len(seq) else 1 for i in range(n)]
-        if self.wrong_every:  # ragged acceptance: break the block at a position that varies
-            k = (anchor_pos % self.wrong_every)
-            if k < n:
-                toks[k] = (toks[k] + 1) % 256 or 1
-        return Proposal(torch.tensor(toks, dtype=torch.long))
-
-
 @pytest.mark.parametrize("mode", ["dspine", "dflash", "ar"])
 def test_greedy_batched_equals_single_ar(target, prompts, ref_greedy, mode):
     if mode == "ar":
@@ -88,7 +65,7 @@ def test_greedy_batched_equals_single_ar(target, prompts, ref_greedy, mode):
 
 def test_ragged_acceptance_oracle(target, prompts, ref_greedy):
     refs = {tuple(p): r.token_ids for p, r in zip(prompts, ref_greedy)}
-    eng = Engine(target, OracleProposer(refs, wrong_every=7), "dspine")
+    eng = Engine(target, KnownContinuation(refs, wrong=lambda c, pos, n: pos % 7), "dspine")
     be = BatchEngine(eng, 8)
     got = be.generate_many(prompts, max_new_tokens=LENS)
     for r, g in zip(ref_greedy, got):
@@ -148,7 +125,7 @@ def test_stop_inside_accepted_block(target, prompts, ref_greedy, ar):
     text = ref_greedy[i].text
     stop = [text[k:k + 2]]
     want = ar.generate(prompts[i], max_new_tokens=LENS[i], stop=stop)
-    eng = Engine(target, OracleProposer(refs), "dspine")
+    eng = Engine(target, KnownContinuation(refs), "dspine")
     j = (i + 1) % len(prompts)
     got = BatchEngine(eng, 8).generate_many([prompts[i], prompts[j]], max_new_tokens=[LENS[i], LENS[j]],
                                             stop=[stop, None])

@@ -61,7 +61,8 @@ def test_ragged_forward_is_bitwise_each_requests_own_forward(smol_lean, monkeypa
 
 @pytest.mark.parametrize("mode", ["ar", "dspine"])
 def test_batched_greedy_on_the_lean_path_equals_the_single_request_engine(smol_lean, mode, monkeypatch):
-    from dspine.draft import DrafterProposer, load_drafter
+    from dspine.draft import load_drafter
+    from dspine.proposers.drafter import DrafterProposer
     from dspine.cli import default_drafter_path
     from dspine.proposers import make_proposer
 
@@ -127,7 +128,8 @@ def test_ragged_tree_forward_is_bitwise_each_requests_own_tree_forward(smol_lean
 
 def _tree_engine(t):
     from dspine.cli import default_drafter_path
-    from dspine.draft import DrafterProposer, load_drafter
+    from dspine.draft import load_drafter
+    from dspine.proposers.drafter import DrafterProposer
     from dspine.proposers import make_proposer
     from dspine.trees.tree import TreeSpec
 

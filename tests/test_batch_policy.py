@@ -19,7 +19,8 @@ from scipy import stats
 from dspine.batch import BatchEngine
 from dspine.batch_policy import BatchCostPolicy
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import CostCurve, CostModelPolicy
 from dspine.target import load_target

@@ -217,7 +217,8 @@ def test_real_target_packs_exactly_and_decodes_as_ar(smol):
     on blockq, token for token, float32; switching back restores the layers."""
     _kernels_or_skip()
     from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft import DrafterProposer, load_drafter
+    from dspine.draft import load_drafter
+    from dspine.proposers.drafter import DrafterProposer
     from dspine.policy import make_policy
     from dspine.trees import TreeSpec
 

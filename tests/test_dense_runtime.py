@@ -106,7 +106,8 @@ def test_greedy_equal_to_ar_on_real_target_single_and_batched(smol):
     on the dense runtime: the engine and the batched engine give ``ar``'s ids (``ar`` on
     transformers' forward as the reference)."""
     from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft import DrafterProposer, load_drafter
+    from dspine.draft import load_drafter
+    from dspine.proposers.drafter import DrafterProposer
     from dspine.policy import make_policy
     from dspine.proposers import make_proposer
 

@@ -34,7 +34,9 @@ import dspine.engine
 from conftest import OracleProposer, random_proposer
 from dspine.config import SamplingConfig
 from dspine.engine import Engine
-from dspine.draft import DrafterProposer, Proposal, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.base import Proposal
+from dspine.proposers.drafter import DrafterProposer
 from dspine.sampling import filter_probs, sample_index, uniform
 from dspine.verify import Verdict, verify_greedy
 

@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from dspine.draft import DrafterProposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.draft_vocab import (FILE, DraftVocabError, coverage, frequent_tokens, load_draft_vocab, resolve,
                                 save_draft_vocab)
 from dspine.final_stage import candidates

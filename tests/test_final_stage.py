@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.final_stage import QuantizedHead, candidates, parallel_argmax
 
 

@@ -19,7 +19,8 @@ import torch
 from conftest import ar_continuation
 from dspine.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter, random_drafter
+from dspine.draft import load_drafter, random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.final_stage import copy_bonus, inject_copy
 from dspine.proposers import HybridProposer, NgramProposer, make_proposer

@@ -31,8 +31,13 @@ def cfg(tgt):
     return DSpineConfig.for_target(tgt)
 
 
-def test_guard_error_is_value_error():
-    assert issubclass(GuardError, ValueError)
+def test_a_guard_refusal_is_a_clean_cli_error(capsys):
+    """A GuardError reaches the user as one line naming the setting, exit status 2 (no traceback)."""
+    from dspine.cli import main
+
+    assert main(["generate", "hi", "--dtype", "float16", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "not validated" in err and "Traceback" not in err
 
 
 def test_valid_configuration_passes(tgt, cfg):

@@ -14,9 +14,11 @@ import pytest
 import torch
 from transformers import AutoConfig, DynamicCache
 
+from conftest import KnownContinuation
 from dspine import cli
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.hybrid import (HybridTargetError, ReplayCache, build_random_hybrid, hybrid_family,
                            rerun_rollback)
@@ -106,42 +108,15 @@ def reference(target: Target) -> Reference:
 
 
 # -- proposers ------------------------------------------------------------------------------
-class OracleProposer(Proposer):
-    """Proposes the target's own greedy continuation; subclasses corrupt it per cycle."""
-
-    needs_features = False
-
-    def __init__(self, target: Target, block_size: int):
-        self.block_size, self.vocab, self.cont = block_size, target.vocab_size, ar_tokens(target)
-        self.cycles = 0
-
-    def wrong(self, cycle: int) -> bool:
-        return False
-
-    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
-        k = anchor_pos - len(PROMPT) + 1
-        toks = self.cont[k:k + n]
-        if self.wrong(self.cycles):
-            toks = [(t + 1) % self.vocab for t in toks]
-        self.cycles += 1
-        return Proposal(torch.tensor(toks, dtype=torch.long))
+def oracle(target: Target, block_size: int, wrong=None) -> KnownContinuation:
+    """The target's own greedy continuation of PROMPT; ``wrong`` corrupts it per cycle."""
+    return KnownContinuation({tuple(PROMPT): ar_tokens(target)}, block_size, target.vocab_size, wrong,
+                             needs_features=False)
 
 
-class WrongProposer(OracleProposer):
-    """Never the target's greedy token: rejection at the first position every cycle."""
-
-    def wrong(self, cycle):
-        return True
-
-
-class AlternatingProposer(OracleProposer):
-    """Full acceptance on even cycles, zero acceptance on odd ones."""
-
-    def wrong(self, cycle):
-        return cycle % 2 == 1
-
-
-PROPOSERS = {"oracle": OracleProposer, "wrong": WrongProposer, "alternating": AlternatingProposer}
+PROPOSERS = {"oracle": lambda t, b: oracle(t, b),  # every proposal accepted
+             "wrong": lambda t, b: oracle(t, b, lambda c, pos, n: "all"),  # rejected at the first position
+             "alternating": lambda t, b: oracle(t, b, lambda c, pos, n: "all" if c % 2 else None)}
 
 
 def run_checked(target: Target, engine: Engine, ref: Reference):

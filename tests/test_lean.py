@@ -84,7 +84,8 @@ def test_greedy_equal_to_ar_on_the_lean_path(smol_lean):
     """ar, and DSpine verifying full chains (16 rows) and trees of 8 nodes every cycle, on the
     lean path: the same tokens, and the same as ar on the Python path."""
     from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft import DrafterProposer, load_drafter
+    from dspine.draft import load_drafter
+    from dspine.proposers.drafter import DrafterProposer
     from dspine.trees import TreeSpec
 
     t = smol_lean

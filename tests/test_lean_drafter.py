@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import assert_greedy_equals_ar
-from dspine.draft import DrafterProposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.runtime import blockq as B
 from dspine.runtime.lean_drafter import LeanDrafter, block_forward, lean_drafter_support

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from dspine.config import DSpineConfig, SamplingConfig
-from dspine.draft import DraftContextCache, DrafterProposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DraftContextCache, DrafterProposer
 from dspine.engine import Engine
 from dspine.memory import (MiB, drafter_param_counts, estimate, fmt_bytes, ring_buffer_positions, target_spec,
                            tensor_bytes)

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from conftest import ar_continuation
 from dspine.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter, random_drafter
+from dspine.draft import load_drafter, random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import make_policy
 from dspine.proposers import NgramProposer, OutputCache, make_proposer, output_cache_of

@@ -20,7 +20,9 @@ import torch
 from scipy import stats
 
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.base import Proposal, Proposer
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine, Request
 from dspine.policy import (POLICIES, AcceptanceStats, CostCurve, CostModelPolicy, FixedPolicy, make_policy,
                            measure_cost)

@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from conftest import ar_continuation
 from dspine.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, Proposal, load_drafter, random_drafter
+from dspine.draft import load_drafter, random_drafter
+from dspine.proposers.base import Proposal
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import CostCurve, CostModelPolicy, FixedPolicy, PerSourcePolicy, make_policy
 from dspine.proposers import HybridProposer, NgramIndex, NgramProposer, Plan, make_proposer

@@ -11,7 +11,8 @@ from conftest import random_proposer
 from dspine.cli import default_drafter_path
 from dspine.config import SamplingConfig
 from dspine.core.reference import reference_generate
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import load_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")

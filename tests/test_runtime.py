@@ -14,7 +14,8 @@ from torch import nn
 
 from dspine.cli import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import load_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import FixedPolicy, make_policy
 from dspine.runtime.layout import is_column_major, model_is_column_major, set_column_major

@@ -19,11 +19,12 @@ import time
 
 import httpx
 import pytest
-import torch
 
+from conftest import KnownContinuation
 from dspine.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, Proposal, Proposer, random_drafter
+from dspine.draft import random_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.serve import ServerThread, create_app
 from dspine.target import load_target
@@ -205,23 +206,6 @@ def test_stream_equals_non_stream(server, chat):
     assert streamed["usage"] == plain["usage"]
 
 
-class OracleProposer(Proposer):
-    """Proposes the target's greedy continuation: whole blocks are accepted."""
-
-    feature_layers = [0]
-    block_size = 16
-
-    def __init__(self, refs):
-        self.refs = refs
-
-    def new_state(self, prompt_ids):
-        return list(prompt_ids) + self.refs.get(tuple(prompt_ids), [])
-
-    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
-        toks = [state[anchor_pos + 1 + i] if anchor_pos + 1 + i < len(state) else 1 for i in range(n)]
-        return Proposal(torch.tensor(toks, dtype=torch.long))
-
-
 def test_stop_inside_accepted_block_stream(ar):
     target = ar.target
     cands = [f"stop test {i}" for i in range(12)]
@@ -237,7 +221,7 @@ def test_stop_inside_accepted_block_stream(ar):
     assert pick is not None
     prompt, stop, k = pick
     want = ar.generate(target.encode_prompt(prompt), max_new_tokens=30, stop=[stop])
-    eng = Engine(target, OracleProposer(refs), "dspine")
+    eng = Engine(target, KnownContinuation(refs), "dspine")
     app = create_app(BatchEngine(eng, 4), MODEL, max_queue=4)
     with ServerThread(app) as srv:
         body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "stop": stop, "return_token_ids": True}

@@ -31,7 +31,8 @@ from conftest import ar_continuation
 from dspine.batch import BatchEngine
 from dspine.cli import default_drafter_path
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import load_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.sampling import filter_probs
 from dspine.sampling import sample_index, uniform

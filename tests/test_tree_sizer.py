@@ -9,7 +9,8 @@ import torch
 from conftest import ar_continuation, random_proposer
 from dspine.cli import default_drafter_path
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import load_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import CostCurve, CostModelPolicy
 from dspine.trees import DraftTree, TreeSpec

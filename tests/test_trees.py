@@ -22,7 +22,8 @@ import dspine.engine
 from conftest import ar_continuation, random_proposer
 from dspine.cli import default_drafter_path
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import load_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.final_stage import chain
 from dspine.proposers.hybrid import HybridProposer

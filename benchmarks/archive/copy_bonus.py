@@ -24,7 +24,8 @@ from dspine.cli import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
 from dspine.data.build import encode_record
 from dspine.data.sources import heldout_prompts
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import load_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.proposers import make_proposer
 from dspine.target import load_target

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dspine.config import DSpineConfig
-from dspine.draft import DraftContextCache
+from dspine.proposers.drafter import DraftContextCache
 from dspine.memory import estimate, fmt_bytes
 from dspine.model import DSpineDrafter
 

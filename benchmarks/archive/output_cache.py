@@ -30,7 +30,7 @@ from side_by_side import load_smollm2_dense
 
 from dspine.bench.workloads import build_prompts
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import make_policy
 from dspine.proposers import make_proposer, output_cache_of

@@ -29,7 +29,8 @@ import torch
 
 from dspine.cli import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
-from dspine.draft import DrafterProposer, load_drafter
+from dspine.draft import load_drafter
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import make_policy
 from dspine.proposers import make_proposer

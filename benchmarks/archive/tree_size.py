@@ -27,7 +27,7 @@ import torch
 
 from side_by_side import heldout_ids, interleaved_greedy, load_smollm2_dense, paired_ratio
 
-from dspine.draft import DrafterProposer
+from dspine.proposers.drafter import DrafterProposer
 from dspine.engine import Engine
 from dspine.policy import make_policy
 from dspine.proposers import make_proposer

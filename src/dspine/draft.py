@@ -1,8 +1,5 @@
 """Drafter checkpoints: save, load and validate against a target; random drafters.
-
-The run-time proposers moved to :mod:`dspine.proposers` (2026-12-01); their names are
-re-exported here for existing imports.
-"""
+The run-time proposers are in :mod:`dspine.proposers`."""
 from __future__ import annotations
 
 import json
@@ -12,9 +9,6 @@ import torch
 
 from .config import ConfigError, DSpineConfig
 from .model import DSpineDrafter
-from .proposers.base import Proposal, Proposer  # noqa: F401 (re-export)
-from .proposers.drafter import (DraftContextCache, DrafterProposer, dense_proposal,  # noqa: F401
-                                propose_batch)
 
 
 class DrafterError(ValueError):

@@ -40,7 +40,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     """
     from ..data.build import encode_record
     from ..data.sources import heldout_prompts
-    from ..draft import DrafterProposer
+    from ..proposers.drafter import DrafterProposer
     from ..engine import Engine
     from ..proposers import make_proposer
 
