@@ -539,7 +539,7 @@ class BatchEngine:
         out: list[Proposal | None] = self._propose_trees(reqs, ns)
         idx = [i for i, n in enumerate(ns) if n > 0 and out[i] is None]
         prop = self.engine.proposer
-        if self.batch_draft and len(idx) > 1 and hasattr(prop, "propose_many"):
+        if self.batch_draft and len(idx) > 1:
             gens = [reqs[i].gen.get_state() for i in idx]  # a retry must redraw the same uniforms
             try:
                 got = prop.propose_many([reqs[i] for i in idx], [self.kv.lengths[i] for i in idx],
@@ -570,7 +570,7 @@ class BatchEngine:
         whose proposal raises fails alone (it gets an empty proposal)."""
         eng = self.engine
         out: list[Proposal | None] = [None] * len(reqs)
-        if not eng.tree.enabled or not hasattr(eng.proposer, "propose_tree") or self._lean_plan() is None:
+        if not eng.tree.enabled or not eng.proposer.supports_tree or self._lean_plan() is None:
             return out
         trim = eng.tree_sizer.trim if eng.tree_sizer is not None else None
         for i, (r, n) in enumerate(zip(reqs, ns)):

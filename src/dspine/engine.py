@@ -153,10 +153,8 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 
 def _observe(proposer, state, tokens: list[int], start_pos: int) -> None:
-    """Tell ``proposer`` the token ids it committed (proposers without ``observe`` skip)."""
-    obs = getattr(proposer, "observe", None)
-    if obs is not None:
-        obs(state, tokens, start_pos)
+    """Tell ``proposer`` the token ids it committed (:meth:`Proposer.observe`)."""
+    proposer.observe(state, tokens, start_pos)
 
 
 def source_stats(cycles: list[CycleRecord]) -> dict:
@@ -221,8 +219,8 @@ class Engine:
             self.tree_gate = TreeGate()
         # target feature layers the proposer reads; None (no capture) for ``ar`` and for
         # proposers without features (oracles in tests), which then get [n, 0] features
-        fl = list(getattr(self.proposer, "feature_layers", None) or []) if self.proposer else []
-        self.feature_layers = fl if fl and getattr(self.proposer, "needs_features", True) else None
+        fl = list(self.proposer.feature_layers) if self.proposer is not None else []
+        self.feature_layers = fl if fl and self.proposer.needs_features else None
         self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30))
 
     # -- request lifecycle -------------------------------------------------------------
@@ -251,7 +249,7 @@ class Engine:
         req = Request(list(prompt_ids), sampling, max_new_tokens, [s for s in (stop or []) if s],
                       make_generator(sampling.seed), self.target.new_cache(),
                       self.proposer.new_state(prompt_ids) if self.proposer else None)
-        if self.proposer is not None and hasattr(self.proposer, "set_tenant"):
+        if self.proposer is not None:
             self.proposer.set_tenant(req.draft_state, tenant)
         if req.stop:
             req.stops = StopDetector(self.target.tokenizer, req.stop)
@@ -283,13 +281,13 @@ class Engine:
         if self.proposer is None:
             req.source = ""
             return 0
-        planner = getattr(self.proposer, "plan", None)  # proposers without plan(): one source
-        if planner is None or n_max <= 0:
-            plan = Plan(getattr(self.proposer, "source", "draft"), n_max)
-        elif getattr(self.proposer, "offers_alternatives", False) and hasattr(self.verify_policy, "pick"):
-            plan = planner(req.draft_state, req.anchor, n_max, pick=lambda plans: self.verify_policy.pick(req, plans))
+        if n_max <= 0:
+            plan = Plan(self.proposer.source, n_max)
+        elif self.proposer.offers_alternatives and hasattr(self.verify_policy, "pick"):
+            plan = self.proposer.plan(req.draft_state, req.anchor, n_max,
+                                      pick=lambda plans: self.verify_policy.pick(req, plans))
         else:
-            plan = planner(req.draft_state, req.anchor, n_max)
+            plan = self.proposer.plan(req.draft_state, req.anchor, n_max)
         req.source = plan.source
         return max(0, min(n_max, int(plan.max_n)))
 
@@ -439,9 +437,8 @@ class Engine:
             req.anchor = req.out_ids[-1]
         if req.finished and not req.t_end:
             req.t_end = time.perf_counter()
-            finish = getattr(self.proposer, "finish", None) if self.proposer is not None else None
-            if finish is not None:  # e.g. the output joins a cross-request cache
-                finish(req.draft_state, req.prompt_ids, req.out_ids, req.finish_reason)
+            if self.proposer is not None:  # e.g. the output joins a cross-request cache
+                self.proposer.finish(req.draft_state, req.prompt_ids, req.out_ids, req.finish_reason)
         return req.out_ids[start:]
 
     def _apply_stop(self, req: Request, start: int) -> None:
@@ -498,7 +495,7 @@ class Engine:
     def kernel_info(self) -> dict:
         """What this engine runs: target dtype, device and threads, the verification
         policy, and the proposer's kernels (``Proposer.kernel_info`` when it has one)."""
-        prop = getattr(self.proposer, "kernel_info", dict)() if self.proposer is not None else {}
+        prop = self.proposer.kernel_info() if self.proposer is not None else {}
         info = {"proposer": prop.get("proposer", "drafter") if self.proposer is not None else None,
                 "target_dtype": str(self.target.dtype).replace("torch.", ""),
                 "linear_backend": getattr(self.target, "linear_backend", "aten"),
@@ -517,7 +514,7 @@ class Engine:
         """``chain``, or the tree settings and whether this engine can use them."""
         if self.proposer is None or not self.tree.enabled:
             return "chain"
-        if not getattr(self.proposer, "supports_tree", False):
+        if not self.proposer.supports_tree:
             return f"chain ({self.mode} drafter has no final-stage tables for a tree)"
         if not self.target.supports_tree(self.target.new_cache()):
             return f"chain (trees need the dense runtime; target runs {self.target.runtime_name})"

@@ -75,11 +75,17 @@ class Proposer:
         needs_features: whether :meth:`commit` needs target features (the engine
             captures ``feature_layers`` of the target only then).
         source: the name of this proposer's only source (see :class:`Plan`).
+        feature_layers: the target layers whose outputs :meth:`commit` reads (empty: none).
+        offers_alternatives: whether :meth:`plan` chooses among sources with ``pick``.
+        supports_tree: whether :meth:`propose_tree` can return a draft tree.
     """
 
     block_size: int = 16
     needs_features: bool = True
     source: str = "draft"
+    feature_layers: tuple[int, ...] | list[int] = ()
+    offers_alternatives: bool = False
+    supports_tree: bool = False  # whether :meth:`propose_tree` can return a tree
 
     def new_state(self, prompt_ids: list[int]):
         return None
@@ -95,6 +101,12 @@ class Proposer:
     def observe(self, state, tokens: list[int], start_pos: int) -> None:
         """Token ids of the committed positions start_pos..start_pos+len(tokens)-1 (the
         prompt at prefill; the anchor and accepted proposals after each cycle)."""
+
+    def set_tenant(self, state, tenant: str | None) -> None:
+        """Whose part of a cross-request cache ``state`` reads and writes (None: the default)."""
+
+    def finish(self, state, prompt_ids: list[int], out_ids: list[int], reason: str | None) -> None:
+        """The request ended (``reason``: "stop", "length", ...); e.g. its output joins a cache."""
 
     def plan(self, state, anchor: int, n_max: int, pick=None) -> Plan:
         """This cycle's source and its most proposals (see :class:`Plan`).

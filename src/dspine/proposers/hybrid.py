@@ -89,8 +89,8 @@ class HybridProposer(Proposer):
         # fuse copies into the final stage's chain (source ``fused``) where the drafter has one
         self.fuse_bonus = fuse_bonus if getattr(getattr(drafter, "cfg", None), "final_stage", False) else None
         self.block_size = drafter.block_size
-        self.feature_layers = list(getattr(drafter, "feature_layers", []) or [])
-        self.needs_features = getattr(drafter, "needs_features", True)
+        self.feature_layers = list(drafter.feature_layers)
+        self.needs_features = drafter.needs_features
         self.source = drafter.source
 
     @property
@@ -100,7 +100,7 @@ class HybridProposer(Proposer):
 
     @property
     def supports_tree(self) -> bool:
-        return bool(getattr(self.drafter_proposer, "supports_tree", False))
+        return bool(self.drafter_proposer.supports_tree)
 
     def new_state(self, prompt_ids: list[int]) -> HybridState:
         return HybridState(self.drafter_proposer.new_state(prompt_ids),
