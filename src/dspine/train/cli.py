@@ -293,7 +293,7 @@ def cmd_train(args) -> int:
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
                      memo_features=not args.no_memo_features, device=str(device),
                      soft_topk=args.soft_labels, soft_weight=0.5 if args.soft_weight is None else args.soft_weight,
-                     time_limit=args.time_limit or 0.0)
+                     time_limit=args.time_limit or 0.0, gamma=args.gamma)
 
     def eval_fn(model):  # periodic signal: the target is in --feature-dtype while training
         return measure_acceptance(target, model, n=tc.eval_prompts, max_new_tokens=tc.eval_max_new_tokens)
@@ -475,6 +475,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--batch-size", type=positive_int, default=8, help="global sequences per step")
     p.add_argument("--anchors", type=positive_int, default=32, help="random anchors (blocks) per sequence")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gamma", type=positive_float, default=7.0,
+                   help="row k of a block weighs exp(-(k-1)/gamma) in the loss (spec s.9); a small gamma "
+                        "puts the weight on the first rows, those a CPU's cost policy verifies")
     p.add_argument("--max-len", type=positive_int, default=384)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--min-lr-ratio", type=unit_float, default=0.1,
