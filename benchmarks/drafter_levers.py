@@ -1,0 +1,178 @@
+"""Training levers of the DSpine drafter at equal compute: learning curves of held-out
+teacher-forced rows 1-4 (and the chain τ they imply) against CPU-seconds.
+
+Every variant starts from the same checkpoint (``--init``, the shipped drafter by
+default), sees the same training rows in the same order (the first ``--train-rows`` of the
+committed target-regenerated data, features computed once by the target and shared) and
+trains with the project's own loss (:func:`dspine.train.losses.drafter_losses`: rows
+weighted ``exp(-(k-1)/gamma)``, the final stage's K-way CE) and AdamW. The variants take
+turns, one step each, in one process, every variant's CPU time counted on its own: equal
+compute under the same machine load. Each ``--variants`` entry is ``NAME:KEY=VALUE,...``
+with keys ``gamma`` (row weights), ``anchors`` (blocks per sequence) and ``lr``.
+
+Rows are measured as in ``drafter_diagnosis.py``: on the target's own greedy answers to the
+first ``--eval-n`` held-out code and chat prompts, the share of answer positions whose rows
+1..k are all right (the continuous logits' argmax; for a greedy chain, its acceptance).
+
+    python benchmarks/drafter_levers.py --train-rows 600 --budget 600 --eval-every 150 \\
+        --variants base:gamma=7,anchors=24 anchors96:anchors=96 gamma2:gamma=2 \\
+        --out benchmarks/drafter-diagnosis/block-levers-avx2-2026-12-05.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drafter_diagnosis import drafter_rows, features, greedy_answers  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"gamma": float, "anchors": int, "lr": float}
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    name, _, rest = spec.partition(":")
+    opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in KEYS:
+            raise SystemExit(f"--variants {spec!r}: unknown key {k!r}; accepted: {', '.join(KEYS)}")
+        opts[k] = KEYS[k](v)
+    return name, opts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--init", default=None, help="start checkpoint (default: the shipped DSpine drafter)")
+    ap.add_argument("--variants", nargs="+", required=True, metavar="NAME:KEY=VALUE,...")
+    ap.add_argument("--train-rows", type=int, default=600)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step")
+    ap.add_argument("--budget", type=float, default=600.0, help="CPU-seconds of training per variant")
+    ap.add_argument("--eval-every", type=float, default=150.0)
+    ap.add_argument("--eval-n", type=int, default=16)
+    ap.add_argument("--eval-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-charge-features", action="store_true",
+                    help="do not charge each step the target forward of its sequences (charged by default: "
+                         "CPU training computes features per step, so more anchors per sequence amortize it)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variants]
+    torch.set_num_threads(args.threads)
+    from dspine.cli import default_drafter_path
+    from dspine.data.build import load_dataset
+    from dspine.draft import load_drafter
+    from dspine.draft_vocab import resolve
+    from dspine.target import load_target
+    from dspine.train.losses import collate, drafter_losses, fit_window, sample_anchors
+    from dspine.tune.machine import describe
+
+    t_all = time.time()
+    say = lambda *a: print(f"[{time.time() - t_all:7.1f}s]", *a, file=sys.stderr, flush=True)  # noqa: E731
+    init = Path(args.init or default_drafter_path("smollm2-135m", "dspine"))
+    target = load_target("smollm2-135m", dtype="float32")
+    target.model.requires_grad_(False)  # the drafters share its frozen embedding and head
+    ev = {k: greedy_answers(target, k, args.eval_n, args.eval_tokens) for k in ("code", "chat")}
+    d0 = load_drafter(init, target)
+    layers = list(d0.cfg.feature_layers)
+    ev_f = {k: features(target, v, layers, False) for k, v in ev.items()}
+    vocab = resolve("auto", str(init), d0.cfg.vocab_size, d0.cfg.head_topk)
+    data = load_dataset(ROOT / "training-data" / "smollm2-135m-regen", target)[: args.train_rows]
+    tr = [fit_window(s.input_ids, s.response_start, args.max_len) for s in data]
+    t0 = time.time()
+    tr_f = features(target, tr, layers, False)
+    per_row = (time.time() - t0) / max(1, len(tr)) * args.threads  # CPU-s of one sequence's feature forward
+    say("train features", len(tr), "rows", round(time.time() - t0, 1), "s")
+    res = {"machine": describe(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+           "init": str(init.relative_to(ROOT) if init.is_relative_to(ROOT) else init),
+           "train_answer_tokens": sum(len(s) - r for s, r in tr), "feature_s": round(time.time() - t0, 1),
+           "feature_cpu_s_per_row": round(per_row, 3), "charged_features": not args.no_charge_features}
+
+    def measure(d) -> dict:
+        d.eval()
+        with torch.no_grad():
+            rows = {k: drafter_rows(d, ev[k], ev_f[k], vocab) for k in ("code", "chat")}
+        d.train()
+        return {"rows_code": rows["code"], "rows_chat": rows["chat"],
+                "tau_rows1to4_code": round(1 + sum(rows["code"]), 4),
+                "tau_rows1to4_chat": round(1 + sum(rows["chat"]), 4)}
+
+    runs = {}
+    for name, opts in variants:
+        d = load_drafter(init, target).float().train()
+        params = [p for p in d.parameters() if p.requires_grad]
+        runs[name] = dict(opts=opts, d=d, params=params, cpu=0.0, step=0, next_eval=0.0, curve=[], done=False,
+                          opt=torch.optim.AdamW(params, lr=opts["lr"], weight_decay=0.01),
+                          gen=torch.Generator().manual_seed(0))
+    while not all(r["done"] for r in runs.values()):
+        for name, r in runs.items():  # one step each, in turns
+            if r["done"]:
+                continue
+            used = r["cpu"]
+            if used >= r["next_eval"] or used >= args.budget:
+                pt = {"cpu_s": round(used, 1), "step": r["step"], **measure(r["d"])}
+                r["curve"].append(pt)
+                say(name, pt)
+                r["next_eval"] += args.eval_every
+                if used >= args.budget:
+                    r["done"] = True
+                    continue
+            c0 = time.process_time()
+            idx = torch.randint(len(tr), (args.batch,), generator=r["gen"]).tolist()
+            batch = collate([tr[i] for i in idx], args.max_len)
+            T = batch.ids.shape[1]
+            feats = torch.zeros(len(idx), T, tr_f[0].shape[-1])
+            for j, i in enumerate(idx):
+                n = min(T, tr_f[i].shape[0])
+                feats[j, :n] = tr_f[i][:n].float()
+            anchors = sample_anchors(batch, r["opts"]["anchors"], r["gen"])
+            lr = r["opts"]["lr"] * 0.5 * (1 + math.cos(math.pi * min(1.0, used / args.budget)))
+            for g in r["opt"].param_groups:
+                g["lr"] = lr
+            out = drafter_losses(r["d"], feats, batch, anchors, r["opts"]["gamma"], vocab_subset=vocab)
+            r["opt"].zero_grad(set_to_none=True)
+            out["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(r["params"], 1.0)
+            r["opt"].step()
+            r["step"] += 1
+            r["cpu"] += time.process_time() - c0 + (0.0 if args.no_charge_features else per_row * len(idx))
+    res["runs"] = {name: {"opts": r["opts"], "curve": r["curve"]} for name, r in runs.items()}
+    res["wall_s"] = round(time.time() - t_all, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    plot(res, Path(args.out).with_suffix(".png"))
+    print(json.dumps({k: v["curve"][-1] for k, v in res["runs"].items()}))
+    return 0
+
+
+def plot(res: dict, path: Path) -> None:
+    """Implied chain τ (1 + rows 1-4) against CPU-seconds, code and chat side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, k in zip(axes, ("code", "chat")):
+        for name, r in res["runs"].items():
+            ax.plot([p["cpu_s"] for p in r["curve"]], [p[f"tau_rows1to4_{k}"] for p in r["curve"]],
+                    marker="o", label=name)
+        ax.set_title(f"held-out {k}", fontsize=9)
+        ax.set_xlabel("CPU-seconds of training")
+    axes[0].set_ylabel("1 + rows 1-4 right (teacher-forced)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{res['machine']}, {res['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
