@@ -50,7 +50,7 @@ def greedy_answers(target, kind: str, n: int, new: int) -> list[tuple[list[int],
     from dspine.config import SamplingConfig
     from dspine.data.build import encode_record
     from dspine.data.sources import heldout_prompts
-    from dspine.engine import Engine
+    from dspine.core.engine import Engine
 
     eng = Engine(target, None, "ar")
     out = []
@@ -195,11 +195,11 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    from dspine.cli import default_drafter_path
+    from dspine.cli.main import default_drafter_path
     from dspine.data.build import load_dataset
-    from dspine.draft import load_drafter
-    from dspine.draft_vocab import resolve
-    from dspine.target import load_target
+    from dspine.drafter.checkpoint import load_drafter
+    from dspine.drafter.vocab import resolve
+    from dspine.target.adapter import load_target
     from dspine.tune.machine import describe
 
     t_all = time.time()

@@ -66,11 +66,11 @@ def main() -> int:
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     torch.set_num_threads(args.threads)
-    from dspine.cli import default_drafter_path
+    from dspine.cli.main import default_drafter_path
     from dspine.data.build import load_dataset
-    from dspine.draft import load_drafter
-    from dspine.draft_vocab import resolve
-    from dspine.target import load_target
+    from dspine.drafter.checkpoint import load_drafter
+    from dspine.drafter.vocab import resolve
+    from dspine.target.adapter import load_target
     from dspine.train.losses import collate, drafter_losses, fit_window, sample_anchors
     from dspine.tune.machine import describe
 

@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         restore()
         return 0
     sys.path.insert(0, str(ROOT / "src"))
-    from dspine.assets import dspine_home
-    from dspine.targets import NAMED_TARGETS, _assemble_gguf
+    from dspine.target.assets import dspine_home
+    from dspine.target.registry import NAMED_TARGETS, _assemble_gguf
 
     if a.target not in NAMED_TARGETS:
         raise SystemExit(f"--target {a.target!r}: only named targets are staged ({sorted(NAMED_TARGETS)})")

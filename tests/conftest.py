@@ -12,7 +12,7 @@ Fixtures:
                 threads per process make small matmuls 10-25x slower (spin contention).
     one_thread_module -- the same for a whole module (module-scoped fixtures included).
 
-Helper proposers (all subclasses of :class:`dspine.draft.Proposer`):
+Helper proposers (all subclasses of :class:`dspine.drafter.checkpoint.Proposer`):
     OracleProposer       -- proposes the target's own greedy continuation (from a plain
                             ``Engine(target, None, "ar")`` run), q = point mass.
     AlwaysWrongProposer  -- proposes ``(oracle + 1) % V``: never the target's argmax.
@@ -32,11 +32,11 @@ import pytest
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.base import Proposal, Proposer
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.target import load_target
+from dspine.core.engine import Engine
+from dspine.target.adapter import load_target
 
 # -- targets -------------------------------------------------------------------------------
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import KnownContinuation
-from dspine.batch import BatchEngine
+from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine, EngineError
-from dspine.target import load_target
+from dspine.core.engine import Engine, EngineError
+from dspine.target.adapter import load_target
 
 PROMPTS = ["hello world", "a", "The quick brown fox jumps over", "xyz" * 9, "12", "foo bar baz", "q" * 40, "zz top"]
 LENS = [20, 33, 5, 28, 17, 1, 25, 40]
@@ -167,9 +167,9 @@ def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_gree
     chain inside the batched drafter call) finishes with ``finish_reason == "error"``;
     the other requests of the same cycles keep the exact single-request outputs and
     every cache is freed. Before, one such request failed the whole batch."""
-    import dspine.batch as batch_mod
+    import dspine.core.batch as batch_mod
     import dspine.proposers.drafter as draft_mod
-    import dspine.engine as engine_mod
+    import dspine.core.engine as engine_mod
 
     bad = {"gen": None, "calls": 0}
     real = engine_mod.verify if where == "verification" else draft_mod.chain

@@ -1,4 +1,4 @@
-"""The batched engine on the lean decode path (``dspine serve``'s cycles; dspine.batch).
+"""The batched engine on the lean decode path (``dspine serve``'s cycles; dspine.core.batch).
 
 Several requests' verification tokens run in one C++ call over the batched slot cache
 (``LeanLlama.forward_ragged``), packed without padding. The kernels are batch-invariant, so
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.batch import BatchEngine, SlotKV
+from dspine.core.batch import BatchEngine, SlotKV
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.runtime import blockq as B
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,9 +61,9 @@ def test_ragged_forward_is_bitwise_each_requests_own_forward(smol_lean, monkeypa
 
 @pytest.mark.parametrize("mode", ["ar", "dspine"])
 def test_batched_greedy_on_the_lean_path_equals_the_single_request_engine(smol_lean, mode, monkeypatch):
-    from dspine.draft import load_drafter
+    from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
-    from dspine.cli import default_drafter_path
+    from dspine.cli.main import default_drafter_path
     from dspine.proposers import make_proposer
 
     t = smol_lean
@@ -87,7 +87,7 @@ def test_ragged_tree_forward_is_bitwise_each_requests_own_tree_forward(smol_lean
     and see only their ancestors, packed beside a chain request, split over calls of a few
     rows; each request's logits and features are bitwise its own one-request forward (chain,
     or tree with the tree mask). Negative control: the tree read causally differs."""
-    from dspine.batch_lean import Inputs, lean_forward
+    from dspine.core.batch_lean import Inputs, lean_forward
     from dspine.trees.tree import DraftTree
 
     t, rt = smol_lean, smol_lean.runtime
@@ -127,8 +127,8 @@ def test_ragged_tree_forward_is_bitwise_each_requests_own_tree_forward(smol_lean
 
 
 def _tree_engine(t):
-    from dspine.cli import default_drafter_path
-    from dspine.draft import load_drafter
+    from dspine.cli.main import default_drafter_path
+    from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
     from dspine.proposers import make_proposer
     from dspine.trees.tree import TreeSpec

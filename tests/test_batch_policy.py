@@ -1,4 +1,4 @@
-"""Batch-level cost policy (dspine.batch_policy): one verification length per batched cycle.
+"""Batch-level cost policy (dspine.control.batch_policy): one verification length per batched cycle.
 
 - the choice maximizes the batch's expected tokens per second: with a forward whose cost
   grows with its tokens, one request verifies, eight do not (prior alone);
@@ -16,14 +16,14 @@ import pytest
 import torch
 from scipy import stats
 
-from dspine.batch import BatchEngine
-from dspine.batch_policy import BatchCostPolicy
+from dspine.core.batch import BatchEngine
+from dspine.control.batch_policy import BatchCostPolicy
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.policy import CostCurve, CostModelPolicy
-from dspine.target import load_target
+from dspine.core.engine import Engine
+from dspine.control.policy import CostCurve, CostModelPolicy
+from dspine.target.adapter import load_target
 from test_policy import M, PROMPT, SAMPLING, V, CutAtToken, PeakedProposer, _likely_second_token, exact_distribution
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,14 +13,14 @@ from dspine.bench import report as R
 from dspine.bench import workloads as W
 from dspine.bench.checks import check_multifile, check_tool_call, parse_tool_calls, run_humaneval
 from dspine.bench.runners import EngineRunner, HFRunner
-from dspine.cli import main
+from dspine.cli.main import main
 from dspine.config import SamplingConfig
 
 
 @pytest.fixture(scope="module")
 def tiny_target():
     """random:llama with the byte vocabulary (a private copy: tests here swap runners)."""
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     return load_target("random:llama", vocab_size=256, seed=1)
 
@@ -134,7 +134,7 @@ def test_check_fair_names_the_difference():
 
 
 def test_harness_refuses_unfair_runners(tiny_target, one_thread):
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     h = H.Harness(tiny_config(modes=("ar", "hf")), target=tiny_target)
     h.check_setup()
@@ -175,7 +175,7 @@ def test_check_rows_fair_refuses_mixed_rows(tiny_run):
 
 def test_concurrency_refused_without_batched_engine(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "dspine.batch" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "dspine.core.batch" else real(name, *a))
     with pytest.raises(H.BenchError, match="--concurrency 4: this build has no batched engine"):
         H.require_batched_engine(4)
     H.require_batched_engine(1)
@@ -243,9 +243,9 @@ def test_exit_status_is_1_when_requests_failed(tmp_path, monkeypatch, capsys):
 
 
 def test_full_run_needs_drafters(monkeypatch):
-    import dspine.cli
+    import dspine.cli.main
 
-    monkeypatch.setattr(dspine.cli, "default_drafter_path", lambda t, m: None)
+    monkeypatch.setattr(dspine.cli.main, "default_drafter_path", lambda t, m: None)
     with pytest.raises(H.BenchError, match="--drafter-dspine PATH"):
         H.resolve_drafters(H.BenchConfig(modes=("ar", "dspine")))
     assert H.resolve_drafters(H.smoke_config())["dspine"] == "random"
@@ -353,7 +353,7 @@ def test_speedup_vs_peer_is_per_request_ratio(tiny_run):
             assert g2["speedup_vs_peer"]["median"] == pytest.approx(2 * g["speedup_vs_peer"]["median"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dspine.batch") is None, reason="no batched engine")
+@pytest.mark.skipif(importlib.util.find_spec("dspine.core.batch") is None, reason="no batched engine")
 def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
     cfg = tiny_config(modes=("ar", "dspine", "hf"), workloads=("short",), limit=2, settings=(H.GREEDY,),
                       concurrency=(1, 2), warmup=1)
@@ -386,8 +386,8 @@ def test_smoke_cli(tmp_path):
     assert all(g["failures"] == 0 for g in s["results"])
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
     import hashlib
-    from dspine.draft import read_card
-    from dspine.cli import default_drafter_path
+    from dspine.drafter.checkpoint import read_card
+    from dspine.cli.main import default_drafter_path
     for m in ("dspine", "dflash"):  # the report names which weights ran, not only their path
         d = default_drafter_path("smollm2-135m", m)
         sha = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()[:16]

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from dspine.batch import BatchEngine
-from dspine.cli import build_engine, main
+from dspine.core.batch import BatchEngine
+from dspine.cli.main import build_engine, main
 from dspine.config import ConfigError, DSpineConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,8 +67,8 @@ def test_serve_small_blocks_equals_ar(ar_ids, target, block):
 @pytest.mark.parametrize("block", [2, 3])
 def test_tune_measures_only_rows_the_drafter_has(block):
     """The drafter-linears measurement of a small block runs, and its key names the rows."""
-    from dspine.target import load_target
-    from dspine.draft import random_drafter
+    from dspine.target.adapter import load_target
+    from dspine.drafter.checkpoint import random_drafter
     from dspine.tune.drafter import plan_drafter_linears
 
     seen = []
@@ -95,8 +95,8 @@ def test_block_size_one_is_refused_by_name():
 def test_dspine_tune_runs_for_a_block_2_drafter(capsys, tmp_path, target):
     """``dspine tune`` with a block-2 checkpoint on dense and hybrid targets (the hybrid's
     batched-decoding dtype measurement once died: its recurrent cache cannot crop)."""
-    from dspine.draft import random_drafter, save_drafter
-    from dspine.target import load_target
+    from dspine.drafter.checkpoint import random_drafter, save_drafter
+    from dspine.target.adapter import load_target
 
     path = save_drafter(random_drafter(load_target(target), "dspine", 2), tmp_path / "d2")
     assert main(["tune", "--target", target, "--drafter", str(path), "--json", "--data-batch", "4"]) == 0

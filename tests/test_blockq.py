@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.runtime import blockq as B
 from dspine.runtime.packed import apply_linear_backend, available_backends, set_linear_backend
 
@@ -216,10 +216,10 @@ def test_real_target_packs_exactly_and_decodes_as_ar(smol):
     ar with PyTorch's linears, and the shipped DSpine drafter (cost policy, trees) equals ar
     on blockq, token for token, float32; switching back restores the layers."""
     _kernels_or_skip()
-    from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft import load_drafter
+    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
-    from dspine.policy import make_policy
+    from dspine.control.policy import make_policy
     from dspine.trees import TreeSpec
 
     assert "blockq" in available_backends(smol)
@@ -248,7 +248,7 @@ def test_sampled_distribution_exact_on_a_blockq_target(monkeypatch):
     _kernels_or_skip()
     import test_distribution as TD
     from conftest import TINY_SEED, TINY_VOCAB
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     t = load_target("random:llama", vocab_size=TINY_VOCAB, seed=TINY_SEED)
     t.eos_token_ids = frozenset()

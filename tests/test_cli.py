@@ -1,7 +1,7 @@
 """``dspine generate``: bad settings exit 2 with a one-line error naming the setting;
 ``--json`` prints text, token_ids, mode and stats.
 
-Most cases call ``dspine.cli.main`` in-process (fast); one runs ``python -m dspine.cli``
+Most cases call ``dspine.cli.main.main`` in-process (fast); one runs ``python -m dspine.cli``
 in a subprocess to check the real exit status and stderr.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import fields
 
 import pytest
 
-from dspine.cli import main
-from dspine.draft import random_drafter, save_drafter
-from dspine.engine import GenerationStats
-from dspine.target import load_target
+from dspine.cli.main import main
+from dspine.drafter.checkpoint import random_drafter, save_drafter
+from dspine.core.engine import GenerationStats
+from dspine.target.adapter import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -281,11 +281,11 @@ def test_data_build_checks_prompt_files_before_writing(capsys, tmp_path):
 
 
 def test_interrupt_exits_130_with_a_resume_hint(capsys, monkeypatch):
-    import dspine.cli
+    import dspine.cli.main
 
     def interrupted(args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(dspine.cli, "cmd_generate", interrupted)
+    monkeypatch.setattr(dspine.cli.main, "cmd_generate", interrupted)
     code, out, err = cli(capsys, "generate", "hi")
     assert code == 130 and "interrupted" in err and "Traceback" not in err
 
@@ -293,7 +293,7 @@ def test_interrupt_exits_130_with_a_resume_hint(capsys, monkeypatch):
 def test_sigterm_stops_a_command_like_ctrl_c():
     """`kill PID` (SIGTERM) of a long command gives the same clean stop as Ctrl-C, exit 143
     (a background job started by a script ignores SIGINT, so SIGTERM is how it is stopped)."""
-    code = ("import sys, time, dspine.cli as c\n"
+    code = ("import sys, time, dspine.cli.main as c\n"
             "def slow(args):\n    print('started', flush=True)\n    time.sleep(60)\n"
             "c.cmd_generate = slow\nsys.exit(c.main(['generate', 'hi']))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -308,7 +308,7 @@ def test_interrupted_target_conversion_leaves_no_folder(tmp_path):
     conversions (dead pid) are removed by the next one, a live one's are kept."""
     from pathlib import Path
 
-    from dspine.targets import _remove_stale_tmp, convert_gguf
+    from dspine.target.registry import _remove_stale_tmp, convert_gguf
 
     out = tmp_path / "targets" / "gguf-x"
     out.parent.mkdir()
@@ -344,7 +344,7 @@ def test_help_shows_defaults(capsys, cmd, needles):
 
 def test_damaged_card_is_named(tmp_path):
     from dspine.config import ConfigError
-    from dspine.draft import read_card
+    from dspine.drafter.checkpoint import read_card
 
     for text, needle in (("{bad", "not valid JSON"), ("[1, 2]", "not a JSON object")):
         (tmp_path / "card.json").write_text(text)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspine.config import DSpineConfig, SamplingConfig
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 from dspine.train.loop import TrainConfig, Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -21,9 +21,9 @@ def test_checkpoint_greedy_equals_ar_on_cuda(tmp_path, mode):
     """A drafter checkpoint loaded by the CLI path runs on CUDA and stays lossless;
     the oracle drafter (target's own continuation) exercises long accepted blocks."""
     from conftest import OracleProposer
-    from dspine.cli import build_engine
-    from dspine.draft import random_drafter, save_drafter
-    from dspine.engine import Engine
+    from dspine.cli.main import build_engine
+    from dspine.drafter.checkpoint import random_drafter, save_drafter
+    from dspine.core.engine import Engine
 
     cpu_target = load_target("random:llama", vocab_size=256)
     save_drafter(random_drafter(cpu_target, mode=mode), tmp_path / "ckpt", dtype=torch.float32)

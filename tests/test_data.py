@@ -116,7 +116,7 @@ def tiny():
     """The tiny random target, run on one thread (robust on a shared, busy 2-core box)."""
     import torch
 
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield load_target("random:llama")
@@ -243,7 +243,7 @@ def test_build_shards_are_disjoint_and_cover_the_stream(tiny, tmp_path):
 
 
 def test_build_refuses_other_target_and_load_checks_target(tiny, tmp_path):
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     out = tmp_path / "ds"
     B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 2))], out, max_new_tokens=3,

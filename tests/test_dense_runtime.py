@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.batch import BatchEngine
+from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.engine import Engine, EngineError
+from dspine.core.engine import Engine, EngineError
 from dspine.runtime.dense import DenseCache, DenseRuntime, runtime_support
 from dspine.runtime.packed import apply_linear_backend, onednn_available
 from dspine.runtime.select import resolve_runtime
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,7 +90,7 @@ def test_refusals_name_the_setting():
     assert "sliding" in (runtime_support(sw.model) or "")
     with pytest.raises(ValueError, match="--runtime dense"):
         sw.set_runtime("dense")
-    from dspine.cli import build_engine
+    from dspine.cli.main import build_engine
     with pytest.raises(EngineError, match="--runtime 'fast'"):
         build_engine("random:llama", None, "ar", runtime="fast")
     t, eng = build_engine("random:llama", None, "ar")
@@ -105,10 +105,10 @@ def test_greedy_equal_to_ar_on_real_target_single_and_batched(smol):
     """float32, the shipped DSpine drafter, the default hybrid proposer and cost policy, all
     on the dense runtime: the engine and the batched engine give ``ar``'s ids (``ar`` on
     transformers' forward as the reference)."""
-    from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft import load_drafter
+    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
-    from dspine.policy import make_policy
+    from dspine.control.policy import make_policy
     from dspine.proposers import make_proposer
 
     prompts = [smol.encode_prompt(p, chat=True) for p in PROMPTS]

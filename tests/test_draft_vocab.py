@@ -1,4 +1,4 @@
-"""The drafter's draft vocabulary (dspine.draft_vocab, ``--draft-vocab``).
+"""The drafter's draft vocabulary (dspine.drafter.vocab, ``--draft-vocab``).
 
 The candidate pass then scores only the subset's rows of the head and maps its columns back
 to target ids. The drafter only proposes, so the output must stay the target's: greedy
@@ -14,11 +14,11 @@ import json
 import pytest
 import torch
 
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.draft_vocab import (FILE, DraftVocabError, coverage, frequent_tokens, load_draft_vocab, resolve,
+from dspine.drafter.vocab import (FILE, DraftVocabError, coverage, frequent_tokens, load_draft_vocab, resolve,
                                 save_draft_vocab)
-from dspine.final_stage import candidates
+from dspine.drafter.final_stage import candidates
 from conftest import assert_greedy_equals_ar
 from test_distribution import assert_exact_and_broken_verifier_fails, strong_bridge_drafter
 
@@ -82,7 +82,7 @@ def test_subset_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkey
 
 
 def test_shipped_subset_greedy_equals_ar_on_the_real_target():
-    from dspine.cli import build_engine
+    from dspine.cli.main import build_engine
 
     target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
                                draft_vocab="subset")
@@ -93,7 +93,7 @@ def test_shipped_subset_greedy_equals_ar_on_the_real_target():
 
 def test_memory_counts_the_draft_vocabulary_rows():
     from dspine.config import DSpineConfig
-    from dspine.memory import estimate
+    from dspine.drafter.memory import estimate
 
     cfg = DSpineConfig.small()
     full = {r.key: r.bytes for r in estimate(cfg, head_kernels=("int8", "exact")).rows}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.runtime import blockq as B
 from dspine.runtime.blockq import BlockQLinear
 from dspine.tune.drafter import plan_drafter_linears, q8_round, quantize_drafter
@@ -70,7 +70,7 @@ def test_q8_drafter_sampling_matches_target_and_a_broken_verifier_fails(tiny, mo
 
 def test_q8_drafter_greedy_equals_ar_on_the_real_target():
     _kernels_or_skip()
-    from dspine.cli import build_engine
+    from dspine.cli.main import build_engine
 
     target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
                                drafter_linears="q8", linear_backend="blockq")

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.proposers import NgramProposer
 from dspine.proposers.base import Proposal
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 from test_policy import PROMPT, SAMPLING, V, PeakedProposer, exact_distribution, pooled_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,7 +133,7 @@ def test_greedy_copies_cut_at_a_stop_equal_ar(smol):
 def test_batched_copies_cut_at_a_stop_equal_ar(smol):
     """The batched engine (``serve``) cuts its chains the same way: three requests with
     different stop strings, continuous batching, token for token ``ar``'s."""
-    from dspine.batch import BatchEngine
+    from dspine.core.batch import BatchEngine
 
     ids = smol.encode_prompt(REPEAT_PROMPT, chat=True)
     stops = [["perimeter"], ["w + h"], ["\n\n\n"]]

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspine.cli import main
+from dspine.cli.main import main
 from dspine.config import DSpineConfig, engine_compatible_flags
-from dspine.draft import random_drafter, save_drafter
+from dspine.drafter.checkpoint import random_drafter, save_drafter
 from dspine.export.dflash import (ExportError, check_exportable, export_dflash, load_dflash,
                                   reference_block_logits, to_zlab_state_dict)
 
@@ -152,7 +152,7 @@ def test_cli_refuses_the_shipped_dflash_style_drafter_and_exports_a_compatible_o
     assert "bridge and final stage" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     # a compatible drafter for the real target's sizes, saved as `dspine train` saves it
-    from dspine.model import DSpineDrafter
+    from dspine.drafter.model import DSpineDrafter
 
     shipped = DSpineConfig.load("src/dspine/checkpoints/smollm2-135m-dflash")
     cfg = DSpineConfig.from_dict({**json.loads(shipped.to_json()), "qk_norm": True, "row_embedding": False,
@@ -186,7 +186,7 @@ def test_train_engine_compatible_needs_dflash_mode(tmp_path, capsys):
 
 def test_engine_target_folder_has_the_weights_dspine_decodes_with(tmp_path):
     from dspine.export.engines import EngineExportError, write_engine_target
-    from dspine.targets import resolve_target
+    from dspine.target.registry import resolve_target
 
     src = resolve_target("smollm2-135m")
     out = write_engine_target(src, tmp_path / "t")
@@ -204,7 +204,7 @@ def test_cli_refusals_leave_nothing_behind(tmp_path, capsys, monkeypatch):
     """Adversarial findings (2026-12-02): layers the target lacks, a mask token the target
     writes, an --out that is a file, a missing --target-dir; and a failed export leaves no
     partial output."""
-    from dspine.model import DSpineDrafter
+    from dspine.drafter.model import DSpineDrafter
 
     shipped = DSpineConfig.load("src/dspine/checkpoints/smollm2-135m-dflash")
     base = {**json.loads(shipped.to_json()), "qk_norm": True, "row_embedding": False, "num_layers": 1}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.final_stage import QuantizedHead, candidates, parallel_argmax
+from dspine.drafter.final_stage import QuantizedHead, candidates, parallel_argmax
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_parallel_argmax_is_exact_argmax(drafter, rows):
 def test_dflash_greedy_proposals_match_reference_and_sampled_q_is_dense(tiny256):
     """Greedy: the candidate-pass argmax equals the full-vocabulary argmax of the reference
     proposer, block by block; sampled: dense q over all V tokens (spec section 10)."""
-    from dspine.engine import Engine
+    from dspine.core.engine import Engine
     d = random_drafter(tiny256, mode="dflash", block_size=8, seed=5, head_topk=16, coarse_k=64)
     prompt = list(range(10, 40))
     fast, ref = DrafterProposer(d), DrafterProposer(d, use_quantized_head=False)

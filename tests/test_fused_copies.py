@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from conftest import ar_continuation
-from dspine.batch import BatchEngine
+from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter, random_drafter
+from dspine.drafter.checkpoint import load_drafter, random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.final_stage import copy_bonus, inject_copy
+from dspine.core.engine import Engine
+from dspine.drafter.final_stage import copy_bonus, inject_copy
 from dspine.proposers import HybridProposer, NgramProposer, make_proposer
-from dspine.sampling import filter_probs
+from dspine.core.sampling import filter_probs
 from test_policy import SAMPLING, exact_distribution, sources_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +58,7 @@ COPY_PROMPT = ("Repeat this function exactly, then explain it in one sentence:\n
 
 @pytest.fixture(scope="module")
 def shipped_dspine(smol):
-    from dspine.cli import default_drafter_path
+    from dspine.cli.main import default_drafter_path
 
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 
@@ -87,7 +87,7 @@ def test_greedy_fused_equals_ar_single_and_batched(smol, shipped_dspine):
 # -- exact distribution (tiny random target) ------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny8():
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     t = load_target("random:llama", vocab_size=8, seed=0)
     t.eos_token_ids = frozenset()

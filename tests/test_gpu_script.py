@@ -54,8 +54,8 @@ def test_gpu_script_runs_end_to_end_on_cpu_within_the_device_limits(tmp_path):
     readme = (tmp_path / "unpacked" / "final" / "README.md").read_text()
     assert "soft labels: the target's top 4" in readme and "None" not in readme
     assert "not measured by this run" in readme and "dspine acceptance --target random:llama" in readme
-    from dspine.draft import load_drafter
-    from dspine.target import load_target
+    from dspine.drafter.checkpoint import load_drafter
+    from dspine.target.adapter import load_target
     tg = load_target("random:llama")
     assert load_drafter(tmp_path / "unpacked" / "final", tg).cfg.block_size == 4
 

@@ -14,7 +14,7 @@ import torch
 from conftest import (AlwaysWrongProposer, MixedProposer, OracleProposer, ar_continuation,
                       random_proposer, run_cycles)
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

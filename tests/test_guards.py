@@ -16,7 +16,7 @@ from dspine.config import DSpineConfig
 from dspine.guards import (MAX_CONCURRENCY, VALIDATED, GuardError, check_block_size, check_concurrency,
                            check_device, check_dtype, check_recurrent_state_dtype, check_target_head,
                            validate_runtime)
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "validated.md"
 
@@ -33,7 +33,7 @@ def cfg(tgt):
 
 def test_a_guard_refusal_is_a_clean_cli_error(capsys):
     """A GuardError reaches the user as one line naming the setting, exit status 2 (no traceback)."""
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     assert main(["generate", "hi", "--dtype", "float16", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
@@ -182,7 +182,7 @@ def test_target_dtype_refused(cfg):
     (["--verify-policy", "peek"], "--verify-policy 'peek' is unknown; accepted: fixed, cost"),
 ])
 def test_cli_refuses_at_start(argv, msg, capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     rc = main(["generate", "hi", "--target", "random:llama", "--drafter", "random", "--max-new-tokens", "2"] + argv)
     assert rc == 2

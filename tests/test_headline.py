@@ -62,7 +62,7 @@ def test_headline_run_writes_the_table(tmp_path):
 
 
 def test_headline_and_smoke_are_exclusive(capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     assert main(["bench", "--headline", "--smoke", "--no-progress"]) == 2
     assert "--smoke and --headline" in capsys.readouterr().err

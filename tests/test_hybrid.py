@@ -15,15 +15,15 @@ import torch
 from transformers import AutoConfig, DynamicCache
 
 from conftest import KnownContinuation
-from dspine import cli
+from dspine.cli import main as cli
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.hybrid import (HybridTargetError, ReplayCache, build_random_hybrid, hybrid_family,
+from dspine.core.engine import Engine
+from dspine.target.replay_ssm import (HybridTargetError, ReplayCache, build_random_hybrid, hybrid_family,
                            rerun_rollback)
-from dspine.sampling import filter_probs
-from dspine.target import ByteTokenizer, Target, TargetCache, load_target
+from dspine.core.sampling import filter_probs
+from dspine.target.adapter import ByteTokenizer, Target, TargetCache, load_target
 
 ARCHS = ("qwen3_5", "qwen3_next")
 PROMPT = [5, 17, 33, 2, 90, 64, 7, 11]

@@ -84,4 +84,47 @@ def test_proposers_have_a_home():
     g = import_graph()
     assert {"dspine.proposers.base", "dspine.proposers.drafter", "dspine.proposers.ngram",
             "dspine.proposers.hybrid"} <= set(g)
-    assert "dspine.engine" not in g["dspine.proposers.base"]  # the interface does not know the engine
+    assert "dspine.core.engine" not in g["dspine.proposers.base"]  # the interface does not know the engine
+
+
+# -- the layout: folders that show the architecture --------------------------------------
+APPS = ("cli", "tune", "serve", "bench", "train", "data", "export")  # what runs things, measures or builds
+
+
+def top(module: str) -> str:
+    """``dspine.core.engine`` -> ``core``; a root module names itself."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs that break docs/architecture.md's rules: the decode cycle
+    (``core``), the proposers, drafter, target and controllers import no application
+    package (cli, tune, serve, bench, train, data, export) -- except the two measurements
+    still made where a policy or a drafter proposer is built (``control.policy`` and
+    ``proposers.drafter`` call ``tune``) -- and ``core`` imports no controller but through
+    the batched engine's pricing."""
+    allowed = {("dspine.control.policy", "tune"), ("dspine.proposers.drafter", "tune")}
+    out = []
+    for m, deps in graph.items():
+        if top(m) not in ("core", "proposers", "drafter", "target", "control", "trees"):
+            continue
+        for d in deps:
+            if top(d) in APPS and (m, top(d)) not in allowed:
+                out.append((m, d))
+    return sorted(out)
+
+
+def test_layering_rules_hold():
+    assert layering_violations(import_graph()) == []
+
+
+def test_layering_check_catches_a_violation():
+    g = {"dspine.core.engine": {"dspine.cli.main"}, "dspine.cli.main": set(),
+         "dspine.bench.cli": {"dspine.core.engine"}}
+    assert layering_violations(g) == [("dspine.core.engine", "dspine.cli.main")]
+
+
+def test_few_modules_at_the_root():
+    """The root holds the package's shared vocabulary only; every capability has a folder."""
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert root == ["__init__.py", "argtypes.py", "config.py", "guards.py"], root

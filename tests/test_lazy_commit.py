@@ -8,8 +8,8 @@ import torch
 from conftest import random_proposer
 
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
-from dspine.policy import FixedPolicy
+from dspine.core.engine import Engine
+from dspine.control.policy import FixedPolicy
 from dspine.proposers import DraftContextCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.runtime import blockq as B
 from dspine.runtime import lean as L
 from dspine.runtime.packed import apply_linear_backend
@@ -83,8 +83,8 @@ def test_lean_agrees_with_the_python_path_and_a_wrong_plan_does_not(smol_lean):
 def test_greedy_equal_to_ar_on_the_lean_path(smol_lean):
     """ar, and DSpine verifying full chains (16 rows) and trees of 8 nodes every cycle, on the
     lean path: the same tokens, and the same as ar on the Python path."""
-    from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft import load_drafter
+    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
     from dspine.trees import TreeSpec
 
@@ -108,7 +108,7 @@ def test_lean_support_names_what_it_cannot_run(tiny256, monkeypatch):
     _kernels_or_skip()
     from test_blockq import quantize_linears_
 
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     t = load_target("random:llama", vocab_size=256, seed=3)
     t.set_runtime("dense")
@@ -169,7 +169,7 @@ def test_lean_rows_follow_a_measurement():
     _kernels_or_skip()
     from test_blockq import quantize_linears_
 
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     t = load_target("random:llama", vocab_size=256, seed=5)
     quantize_linears_(t.model)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import assert_greedy_equals_ar
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.runtime import blockq as B
 from dspine.runtime.lean_drafter import LeanDrafter, block_forward, lean_drafter_support
 from dspine.tune.drafter import quantize_drafter
@@ -86,7 +86,7 @@ def test_where_the_lean_forward_does_not_run(tiny256, monkeypatch):
 
 def test_lean_drafter_greedy_equals_ar_on_the_real_target():
     _kernels_or_skip()
-    from dspine.cli import build_engine
+    from dspine.cli.main import build_engine
 
     target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
                                drafter_linears="q8")
@@ -96,7 +96,7 @@ def test_lean_drafter_greedy_equals_ar_on_the_real_target():
 
 def test_batched_proposals_on_the_lean_forward_keep_greedy_equal_to_ar(tiny256, monkeypatch):
     _kernels_or_skip()
-    from dspine.batch import BatchEngine
+    from dspine.core.batch import BatchEngine
     from dspine.runtime import lean_drafter
 
     calls = []

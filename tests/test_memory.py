@@ -1,4 +1,4 @@
-"""Tests of dspine.memory (footprint, spec s.7) and of the bounded draft context cache.
+"""Tests of dspine.drafter.memory (footprint, spec s.7) and of the bounded draft context cache.
 
 - ``dspine memory --config release`` prints the reference figures of spec section 7;
 - the estimate equals measured allocation for the real target + a drafter (tensor
@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from dspine.config import DSpineConfig, SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DraftContextCache, DrafterProposer
-from dspine.engine import Engine
-from dspine.memory import (MiB, drafter_param_counts, estimate, fmt_bytes, ring_buffer_positions, target_spec,
+from dspine.core.engine import Engine
+from dspine.drafter.memory import (MiB, drafter_param_counts, estimate, fmt_bytes, ring_buffer_positions, target_spec,
                            tensor_bytes)
-from dspine.model import DSpineDrafter
-from dspine.target import load_target
+from dspine.drafter.model import DSpineDrafter
+from dspine.target.adapter import load_target
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +52,7 @@ def test_release_reference_figures():
 
 
 def test_cli_memory_release_prints_reference_figures(capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     assert main(["memory", "--config", "release"]) == 0
     out = capsys.readouterr().out
@@ -73,7 +73,7 @@ def test_cli_memory_release_prints_reference_figures(capsys):
 
 
 def test_cli_memory_json_with_target(capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     assert main(["memory", "--config", "small", "--target", "random:llama", "--context", "300",
                  "--concurrency", "3", "--dtype", "float32", "--json"]) == 0
@@ -152,7 +152,7 @@ def test_estimate_matches_measured_real_target():
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 def test_estimate_matches_measured_hybrid_state(arch):
-    pytest.importorskip("dspine.hybrid")
+    pytest.importorskip("dspine.target.replay_ssm")
     t = load_target(f"random:{arch}")
     cache = t.new_cache()
     t.forward(torch.arange(1, 38)[None], cache, None)
@@ -296,7 +296,7 @@ def test_memory_window_benchmark_runs(tmp_path):
 
 
 def test_tree_budget_adds_one_verification_of_buffers():
-    from dspine.memory import drafter_config, estimate, target_spec
+    from dspine.drafter.memory import drafter_config, estimate, target_spec
     spec = target_spec("random:llama")
     cfg = drafter_config("small", spec)
     base = estimate(cfg, spec, context=256, dtype="float32")

@@ -23,12 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ar_continuation
-from dspine.batch import BatchEngine
+from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter, random_drafter
+from dspine.drafter.checkpoint import load_drafter, random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.policy import make_policy
+from dspine.core.engine import Engine
+from dspine.control.policy import make_policy
 from dspine.proposers import NgramProposer, OutputCache, make_proposer, output_cache_of
 from test_policy import SAMPLING, exact_distribution, sources_chi_square
 
@@ -82,7 +82,7 @@ def test_tenants_are_isolated_and_the_bound_holds():
 
 
 def test_memory_bound_holds_and_is_reported():
-    from dspine.memory import drafter_config, estimate
+    from dspine.drafter.memory import drafter_config, estimate
     from dspine.proposers.cache import bytes_bound
 
     rng = random.Random(5)
@@ -116,8 +116,8 @@ def test_settings_refused():
 
 
 def test_build_engine_refuses_cache_without_copies():
-    from dspine.cli import build_engine
-    from dspine.engine import EngineError
+    from dspine.cli.main import build_engine
+    from dspine.core.engine import EngineError
 
     with pytest.raises(EngineError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
         build_engine("random:llama", "random", "dspine", proposer="drafter", ngram_cache_tokens=100)
@@ -140,7 +140,7 @@ M_REAL = 24
 
 @pytest.fixture(scope="module")
 def shipped_dspine(smol):
-    from dspine.cli import default_drafter_path
+    from dspine.cli.main import default_drafter_path
 
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 
@@ -191,7 +191,7 @@ def test_batched_engine_fills_and_reads_the_cache(smol, shipped_dspine):
 # -- exact distribution (tiny random target) ------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny8():
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     t = load_target("random:llama", vocab_size=8, seed=0)
     t.eos_token_ids = frozenset()
@@ -258,7 +258,7 @@ def test_distribution_cache_wrong_q_fails(tiny8, exact):
 # -- the server ----------------------------------------------------------------------------------------
 def test_server_tenants_by_api_key():
     from dspine.serve import ServerThread, create_app
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     target = load_target("random:llama")
     prop = make_proposer("hybrid", DrafterProposer(random_drafter(target, "dspine", seed=0)), cache_tokens=10_000)

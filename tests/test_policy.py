@@ -1,4 +1,4 @@
-"""Tests of dspine.policy: verification-length policies (spec section 5).
+"""Tests of dspine.control.policy: verification-length policies (spec section 5).
 
 - policies return n in [0, n_max]; the cost model picks the n that maximizes expected
   tokens per second for known acceptance/cost, and learns it from past cycles;
@@ -20,14 +20,14 @@ import torch
 from scipy import stats
 
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.base import Proposal, Proposer
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine, Request
-from dspine.policy import (POLICIES, AcceptanceStats, CostCurve, CostModelPolicy, FixedPolicy, make_policy,
+from dspine.core.engine import Engine, Request
+from dspine.control.policy import (POLICIES, AcceptanceStats, CostCurve, CostModelPolicy, FixedPolicy, make_policy,
                            measure_cost)
-from dspine.sampling import filter_probs, sample_index, uniform
-from dspine.target import load_target
+from dspine.core.sampling import filter_probs, sample_index, uniform
+from dspine.target.adapter import load_target
 
 V = 8  # tiny vocabulary: sequences can be enumerated exactly
 PROMPT = [3, 1, 4, 1, 5]
@@ -259,7 +259,7 @@ def test_acceptance_stats_are_censored():
 
 def test_cost_policy_learns_acceptance_from_past_cycles(tiny256):
     """A proposer right for exactly 3 positions: once measured, the policy verifies 3."""
-    from dspine.engine import Engine as E
+    from dspine.core.engine import Engine as E
 
     prompt = list(range(10, 30))
     tiny256.eos_token_ids, saved = frozenset(), tiny256.eos_token_ids
@@ -279,7 +279,7 @@ def test_cost_policy_learns_acceptance_from_past_cycles(tiny256):
 
 
 def test_cost_curve_fit_is_monotone():
-    from dspine.policy import _interp
+    from dspine.control.policy import _interp
 
     curve = _interp({0: 1.0, 1: 2.0, 2: 1.5, 4: 3.0, 8: 2.9, 15: 4.0}, 15)
     assert len(curve) == 16 and curve[0] == 1.0 and curve[-1] == 4.0
@@ -495,7 +495,7 @@ def test_distribution_stop_after_token_passes(tiny, exact):
 def test_cli_generate_verify_policy(capsys):
     import json
 
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     for pol in ("fixed", "cost"):
         rc = main(["generate", "Hi", "--target", "random:llama", "--drafter", "random", "--max-new-tokens", "12",

@@ -19,13 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ar_continuation
-from dspine.batch import BatchEngine
+from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter, random_drafter
+from dspine.drafter.checkpoint import load_drafter, random_drafter
 from dspine.proposers.base import Proposal
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.policy import CostCurve, CostModelPolicy, FixedPolicy, PerSourcePolicy, make_policy
+from dspine.core.engine import Engine
+from dspine.control.policy import CostCurve, CostModelPolicy, FixedPolicy, PerSourcePolicy, make_policy
 from dspine.proposers import HybridProposer, NgramIndex, NgramProposer, Plan, make_proposer
 from dspine.proposers.ngram import point_mass
 from test_policy import SAMPLING, PeakedProposer, _likely_second_token, exact_distribution, sources_chi_square
@@ -152,7 +152,7 @@ M_REAL = 40
 
 @pytest.fixture(scope="module")
 def shipped_dspine(smol):
-    from dspine.cli import default_drafter_path
+    from dspine.cli.main import default_drafter_path
 
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 
@@ -208,7 +208,7 @@ def test_batched_hybrid_equals_ar(smol, shipped_dspine, policy):
 # -- exact distribution (tiny random target) ------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny8():
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     t = load_target("random:llama", vocab_size=8, seed=0)
     t.eos_token_ids = frozenset()
@@ -314,7 +314,7 @@ def test_distribution_peeking_hybrid_fails(tiny8, exact):
 def test_cli_generate_proposer(capsys):
     import json
 
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     assert main(["generate", "a b c a b c a b", "--target", "random:llama", "--drafter", "random",
                  "--max-new-tokens", "12", "--json", "--no-progress", "--proposer", "hybrid",
@@ -343,7 +343,7 @@ def test_per_source_policy_picks_the_better_source():
     req = R()
     copy, draft = Plan("ngram1", 3, 1), Plan("draft", 3)
     assert pol.pick(req, [copy, draft]) is copy
-    from dspine.engine import CycleRecord
+    from dspine.core.engine import CycleRecord
 
     # one-token copies always rejected, drafts always fully accepted: the drafter wins
     req.cycles = [CycleRecord(3, 1, 0.0, 0.0, 1.3, 1.3, source="ngram1"),
@@ -354,7 +354,7 @@ def test_per_source_policy_picks_the_better_source():
 
 
 def test_cli_proposer_settings_refused_or_noted(capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     assert main(["generate", "x", "--target", "random:llama", "--proposer", "ngram", "--ngram-max", "100"]) == 2
     assert "--ngram-max 100 must be in 1..16" in capsys.readouterr().err

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import random_proposer
-from dspine.cli import default_drafter_path
+from dspine.cli.main import default_drafter_path
 from dspine.config import SamplingConfig
 from dspine.core.reference import reference_generate
-from dspine.draft import load_drafter
+from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from dspine.cli import DEFAULT_CHECKPOINTS
+from dspine.cli.main import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter
+from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.policy import FixedPolicy, make_policy
+from dspine.core.engine import Engine
+from dspine.control.policy import FixedPolicy, make_policy
 from dspine.runtime.layout import is_column_major, model_is_column_major, set_column_major
 from dspine.runtime.packed import (LINEAR_BACKENDS, PackedLinear, apply_linear_backend, available_backends,
                                    choose_linear_backend,
@@ -141,7 +141,7 @@ def test_real_measurement_runs(tiny256):
 
 
 def test_build_engine_reports_the_backend():
-    from dspine.cli import build_engine
+    from dspine.cli.main import build_engine
     t, eng = build_engine("random:llama", "random", "dspine", linear_backend="onednn", block_size=4)
     res = eng.generate([3, 4, 5, 6], SamplingConfig(), 8)
     assert res.stats.kernels["linear_backend"] == "onednn" and is_packed(t.model)

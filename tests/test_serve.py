@@ -21,13 +21,13 @@ import httpx
 import pytest
 
 from conftest import KnownContinuation
-from dspine.batch import BatchEngine
+from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.serve import ServerThread, create_app
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 
 MODEL = "random:llama"
 PROMPTS = ["hello world", "a", "The quick brown fox", "xyz" * 7, "12", "foo bar baz", "q" * 30, "zz top"]
@@ -489,7 +489,7 @@ def test_cli_serve_subprocess_graceful_sigterm():
 def test_cost_policy_server_greedy_equals_single_ar(ar):
     """`dspine serve --verify-policy cost`: one verification length per batched cycle
     (measured cost curve of this machine); outputs stay the plain loop's."""
-    from dspine.policy import make_policy
+    from dspine.control.policy import make_policy
 
     target = load_target(MODEL)
     prop = DrafterProposer(random_drafter(target, "dspine", seed=0))
@@ -508,8 +508,8 @@ def test_cost_policy_server_greedy_equals_single_ar(ar):
 
 def test_real_target_greedy_equals_cli(capsys):
     """Default target smollm2-135m (float32), short outputs: batched dspine == `dspine generate --mode ar`."""
-    from dspine.cli import build_engine, main
-    from dspine.targets import TargetError
+    from dspine.cli.main import build_engine, main
+    from dspine.target.registry import TargetError
 
     try:
         target, eng = build_engine("smollm2-135m", "random", "dspine", "float32")
@@ -615,7 +615,7 @@ def test_shutdown_deadline_answers_running_requests_with_503():
 def test_a_request_failing_in_a_batched_cycle_fails_alone(ar, monkeypatch):
     """Two requests share batched cycles; the verification of one raises. It gets a 500
     naming the failure, the other finishes with the exact single-request greedy output."""
-    import dspine.batch as batch_mod
+    import dspine.core.batch as batch_mod
 
     real_verify = batch_mod.verify
     seen = {"bad": 0}

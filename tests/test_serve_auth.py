@@ -7,15 +7,15 @@ import httpx
 import openai
 import pytest
 
-from dspine.batch import BatchEngine
-from dspine.cli import main
+from dspine.core.batch import BatchEngine
+from dspine.cli.main import main
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.proposers import NgramProposer, output_cache_of
 from dspine.proposers.cache import OutputCache
 from dspine.serve import ServerThread, create_app
 from dspine.serve.auth import APIKeys, AuthError
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 MODEL = "random:llama"

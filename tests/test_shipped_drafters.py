@@ -25,18 +25,18 @@ import numpy as np
 import pytest
 import torch
 
-import dspine.batch
-import dspine.engine
+import dspine.core.batch
+import dspine.core.engine
 from conftest import ar_continuation
-from dspine.batch import BatchEngine
-from dspine.cli import default_drafter_path
+from dspine.core.batch import BatchEngine
+from dspine.cli.main import default_drafter_path
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter
+from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.sampling import filter_probs
-from dspine.sampling import sample_index, uniform
-from dspine.verify import Verdict
+from dspine.core.engine import Engine
+from dspine.core.sampling import filter_probs
+from dspine.core.sampling import sample_index, uniform
+from dspine.core.verify import Verdict
 from test_distribution import ALPHA, _check_filter_margin, chi2_pvalue
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,8 +115,8 @@ def _counts(eng: Engine, prompt: list[int], n: int, cells: list) -> np.ndarray:
 
 
 def _patch_verify(monkeypatch, fn) -> None:
-    monkeypatch.setattr(dspine.engine, "verify", fn)
-    monkeypatch.setattr(dspine.batch, "verify", fn)
+    monkeypatch.setattr(dspine.core.engine, "verify", fn)
+    monkeypatch.setattr(dspine.core.batch, "verify", fn)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def exact(smol):
 def test_shipped_dspine_sampling_matches_target(smol, shipped, exact, monkeypatch):
     prompt, cells, P = exact
     seen = {"accepted": 0, "rejected": 0}
-    real_verify = dspine.engine.verify
+    real_verify = dspine.core.engine.verify
 
     def recording_verify(tokens, q_probs, q_ids, logits, sampling, gen):
         v = real_verify(tokens, q_probs, q_ids, logits, sampling, gen)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dspine.batch import BatchEngine
-from dspine.cli import build_engine
+from dspine.core.batch import BatchEngine
+from dspine.cli.main import build_engine
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.serve import ServerThread, create_app
 from dspine.serve.auth import APIKeys
 from dspine.serve.soak import KINDS, make_specs, rss_of, soak

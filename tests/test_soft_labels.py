@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.model import DSpineDrafter
-from dspine.target import load_target
+from dspine.drafter.model import DSpineDrafter
+from dspine.target.adapter import load_target
 from dspine.train.loop import Trainer
 from dspine.train.losses import collate, drafter_losses, sample_anchors, soft_block_targets, target_topk
 from test_train import _cfg, _seqs
@@ -132,7 +132,7 @@ def test_soft_labels_refuse_a_feature_store_and_bad_settings(tmp_path):
 
 
 def test_soft_weight_without_soft_labels_is_refused_by_name(tmp_path, capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
     rc = main(["train", "--target", "random:llama", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "r"),
                "--soft-weight", "0.3", "--threads", "1"])
     assert rc == 2 and "--soft-weight applies to soft labels only" in capsys.readouterr().err

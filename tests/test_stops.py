@@ -13,10 +13,10 @@ import torch
 
 from conftest import OracleProposer, ar_continuation, random_proposer, run_cycles
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.base import Proposal
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine, EngineError
+from dspine.core.engine import Engine, EngineError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

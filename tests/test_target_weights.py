@@ -14,10 +14,10 @@ from torch import nn
 
 from conftest import random_proposer
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.runtime import blockq
 from dspine.runtime.weights import quantize_target
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 from dspine.tune.drafter import q8_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,8 +53,8 @@ def test_as_is_changes_nothing_and_bad_settings_are_refused():
     assert quantize_target(t, "as-is") == 0 and torch.equal(_linears(t)[0].weight, w) and "+" not in t.name
     with pytest.raises(ValueError, match="--target-weights 'int3'"):
         quantize_target(t, "int3")
-    from dspine.cli import build_engine
-    from dspine.engine import EngineError
+    from dspine.cli.main import build_engine
+    from dspine.core.engine import EngineError
 
     with pytest.raises(EngineError, match="--target-weights"):
         build_engine("random:llama", "random", "dspine", target_weights="int3")

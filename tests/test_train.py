@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspine.config import DSpineConfig
-from dspine.draft import DrafterError, load_drafter
-from dspine.target import load_target
+from dspine.drafter.checkpoint import DrafterError, load_drafter
+from dspine.target.adapter import load_target
 from dspine.train.loop import TrainConfig, Trainer
 from dspine.train.losses import block_labels, collate, row_weights, sample_anchors
 
@@ -388,7 +388,7 @@ def test_train_command_end_to_end(tmp_path, capsys):
     a second run into the same --out needs --resume, which continues the step count."""
     import json
 
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     data, run = tmp_path / "text", tmp_path / "run"
     assert main(["data", "text", "--target", "random:llama", "--sources", "stdlib", "--out", str(data),
@@ -399,7 +399,7 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert main(base + ["--steps", "2"]) == 0
     card = json.loads((run / "final" / "card.json").read_text())
     assert card["steps"] == 2 and card["train_config"]["device"] == "cpu"
-    from dspine.draft_vocab import load_draft_vocab  # the CE's subset is the candidate pass's draft vocabulary
+    from dspine.drafter.vocab import load_draft_vocab  # the CE's subset is the candidate pass's draft vocabulary
 
     assert load_draft_vocab(run / "final", 256, 16).numel() == 64
     assert card["heldout_acceptance_greedy_fp32"]["n_code"] == 1
@@ -444,7 +444,7 @@ def test_diverging_training_stops_with_an_error_naming_lr(tmp_path, capsys):
     for bad in (float("inf"), -1e-3, float("nan")):
         with pytest.raises(ValueError, match="--lr"):
             TrainConfig(lr=bad)
-    from dspine.cli import main
+    from dspine.cli.main import main
     for bad in ("inf", "0", "-1e-3", "nan"):  # the command line wants a real step size
         capsys.readouterr()
         assert main(["train", "--data", "x", "--out", str(tmp_path / "o"), "--lr", bad]) == 2
@@ -467,7 +467,7 @@ def test_cosine_schedule_floor_and_min_lr_ratio_setting(tmp_path, capsys):
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="--min-lr-ratio"):
             TrainConfig(min_lr_ratio=bad)
-    from dspine.cli import main
+    from dspine.cli.main import main
     for bad in ("-0.1", "2", "nan", "x"):
         capsys.readouterr()
         assert main(["train", "--data", "x", "--out", str(tmp_path / "o"), "--min-lr-ratio", bad]) == 2
@@ -485,7 +485,7 @@ def test_cosine_schedule_floor_and_min_lr_ratio_setting(tmp_path, capsys):
 def test_training_data_with_ids_outside_the_vocabulary_is_refused(tmp_path):
     import json as _json
 
-    from dspine.cli import main
+    from dspine.cli.main import main
     from dspine.train.cli import _training_seqs
 
     data = tmp_path / "text"
@@ -549,7 +549,7 @@ def test_fit_window_refuses_a_response_start_outside_the_row():
 
 
 def test_training_seqs_refuses_a_window_below_four(tmp_path):
-    from dspine.cli import main
+    from dspine.cli.main import main
     from dspine.train.cli import _training_seqs
 
     data = tmp_path / "text"
@@ -564,7 +564,7 @@ def test_training_seqs_refuses_a_window_below_four(tmp_path):
 def test_feature_store_uses_the_training_windows(tmp_path):
     """A store built by ``train-features --max-len L`` holds the windows ``train --max-len L``
     trains on (prompts cut from the left), so a store of long rows stays usable."""
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     data, fs = tmp_path / "dt", tmp_path / "fs"
     assert main(["data", "text", "--target", "random:llama", "--sources", "stdlib", "--out", str(data),

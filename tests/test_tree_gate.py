@@ -12,12 +12,12 @@ import math
 
 import pytest
 
-import dspine.engine
+import dspine.core.engine
 from conftest import random_proposer
 from dspine.config import SamplingConfig
-from dspine.engine import Engine
-from dspine.policy import CostCurve, CostModelPolicy
-from dspine.target import load_target
+from dspine.core.engine import Engine
+from dspine.control.policy import CostCurve, CostModelPolicy
+from dspine.target.adapter import load_target
 from dspine.trees import TreeSpec
 from dspine.trees.gate import TreeGate
 from test_distribution import (ALPHA, N, N_NEG, PROMPT, SETTINGS, _verify_residual_is_p, chi2_pvalue,
@@ -107,8 +107,8 @@ def test_gated_sampling_matches_target(tiny_dense):
 
 
 def test_gated_sampling_negative_control_fails(tiny_dense, monkeypatch):
-    monkeypatch.setattr(dspine.engine, "verify_tree", _broken_no_residual)
-    monkeypatch.setattr(dspine.engine, "verify", _verify_residual_is_p)
+    monkeypatch.setattr(dspine.core.engine, "verify_tree", _broken_no_residual)
+    monkeypatch.setattr(dspine.core.engine, "verify", _verify_residual_is_p)
     eng = _gated_engine(tiny_dense)
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
     counts = sample_counts(eng, SETTINGS["t1.0"], N_NEG, tiny_dense.vocab_size)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import ar_continuation, random_proposer
-from dspine.cli import default_drafter_path
+from dspine.cli.main import default_drafter_path
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter
+from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.policy import CostCurve, CostModelPolicy
+from dspine.core.engine import Engine
+from dspine.control.policy import CostCurve, CostModelPolicy
 from dspine.trees import DraftTree, TreeSpec
 from dspine.trees.build import dynamic_tree, graft
 from dspine.trees.sizer import TreeSizer, prefix_tokens_expected
@@ -108,7 +108,7 @@ def test_sizer_refuses_bad_settings():
 
 @pytest.fixture(scope="module")
 def dense256():
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
     t = load_target("random:llama", vocab_size=256, seed=0)
     t.set_runtime("dense")
     return t

@@ -18,21 +18,21 @@ import numpy as np
 import pytest
 import torch
 
-import dspine.engine
+import dspine.core.engine
 from conftest import ar_continuation, random_proposer
-from dspine.cli import default_drafter_path
+from dspine.cli.main import default_drafter_path
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter
+from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.final_stage import chain
+from dspine.core.engine import Engine
+from dspine.drafter.final_stage import chain
 from dspine.proposers.hybrid import HybridProposer
-from dspine.sampling import filter_probs, make_generator, sample_index, uniform
-from dspine.target import load_target
+from dspine.core.sampling import filter_probs, make_generator, sample_index, uniform
+from dspine.target.adapter import load_target
 from dspine.trees import DraftTree, TreeSpec, parse_tree_shape
 from dspine.trees.build import dynamic_tree, graft, static_tree
 from dspine.trees.verify import TreeVerdict, verify_tree, verify_tree_greedy, verify_tree_sampling
-from dspine.verify import verify_sampling
+from dspine.core.verify import verify_sampling
 from test_distribution import (ALPHA, GEN_LEN, PROMPT, SETTINGS, chi2_pvalue, exact_distribution,
                                sample_counts, strong_bridge_drafter)
 
@@ -437,7 +437,7 @@ def tree_engine(tiny_dense):
 @pytest.mark.parametrize("name", ["t1.0", pytest.param("t0.7_k3", marks=pytest.mark.slow)])
 def test_tree_sampling_matches_target(tiny_dense, tree_engine, monkeypatch, name):
     seen = {"later_sibling": 0, "depth2": 0}
-    real = dspine.engine.verify_tree
+    real = dspine.core.engine.verify_tree
 
     def recording(tree, logits, sampling, gen):
         v = real(tree, logits, sampling, gen)
@@ -445,7 +445,7 @@ def test_tree_sampling_matches_target(tiny_dense, tree_engine, monkeypatch, name
         seen["depth2"] += int(v.accepted >= 2)
         return v
 
-    monkeypatch.setattr(dspine.engine, "verify_tree", recording)
+    monkeypatch.setattr(dspine.core.engine, "verify_tree", recording)
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS[name])
     counts = sample_counts(tree_engine, SETTINGS[name], N_ENGINE, tiny_dense.vocab_size)
     assert chi2_pvalue(counts, P) > ALPHA
@@ -453,7 +453,7 @@ def test_tree_sampling_matches_target(tiny_dense, tree_engine, monkeypatch, name
 
 
 def test_tree_sampling_negative_control_fails(tiny_dense, tree_engine, monkeypatch):
-    monkeypatch.setattr(dspine.engine, "verify_tree", _broken_no_residual)
+    monkeypatch.setattr(dspine.core.engine, "verify_tree", _broken_no_residual)
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
     counts = sample_counts(tree_engine, SETTINGS["t1.0"], N_ENGINE, tiny_dense.vocab_size)
     assert chi2_pvalue(counts, P) < ALPHA
@@ -502,14 +502,14 @@ def test_hybrid_tree_sampling_matches_target(tiny_dense, monkeypatch):
     prop = DraftFirstHybrid(strong_bridge_drafter(tiny_dense, seed=3))
     eng = Engine(tiny_dense, prop, "dspine", tree=TREE_SHAPE)
     seen = {"grafted": 0, "trees": 0}
-    real = dspine.engine.verify_tree
+    real = dspine.core.engine.verify_tree
 
     def recording(tree, logits, sampling, gen):
         seen["trees"] += 1
         seen["grafted"] += int(tree.size > 9)  # TREE_SHAPE gives at most 3 + 6 drafter nodes
         return real(tree, logits, sampling, gen)
 
-    monkeypatch.setattr(dspine.engine, "verify_tree", recording)
+    monkeypatch.setattr(dspine.core.engine, "verify_tree", recording)
     P = exact_distribution(tiny_dense, REPEAT_PROMPT, cfg)
     counts = np.zeros((tiny_dense.vocab_size,) * 3, dtype=np.int64)
     for s in range(N_ENGINE):

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.draft import random_drafter
+from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.final_stage import QuantizedHead, candidates
-from dspine.policy import CostCurve, CostModelPolicy, make_policy
+from dspine.drafter.final_stage import QuantizedHead, candidates
+from dspine.control.policy import CostCurve, CostModelPolicy, make_policy
 from dspine.tune import store
 from dspine.tune.choose import choose_fastest
 from dspine.tune.dtype import choose_forward_dtype
@@ -198,7 +198,7 @@ def test_isa_cap_hides_higher_flags_and_rekeys(monkeypatch):
 
 def test_isa_cap_error_is_a_clean_cli_error(monkeypatch, capsys):
     """A bad DSPINE_CPU_ISA ends a command with exit 2 and one line naming the variable."""
-    from dspine.cli import main
+    from dspine.cli.main import main
     from dspine.tune import machine
 
     monkeypatch.setenv("DSPINE_CPU_ISA", "sse9")
@@ -389,7 +389,7 @@ def test_make_policy_persist_keys_by_drafter(tiny256, disk_cache):
 
 
 def test_cost_curve_cached_on_disk(tiny256, disk_cache):
-    from dspine.policy import _COST_CACHE, measure_cost
+    from dspine.control.policy import _COST_CACHE, measure_cost
     prop = DrafterProposer(random_drafter(tiny256, block_size=4, seed=1))
     c1 = measure_cost(tiny256, prop, n_max=3, repeats=1)
     _COST_CACHE.clear()  # a new process: only the disk cache remains
@@ -400,7 +400,7 @@ def test_cost_curve_cached_on_disk(tiny256, disk_cache):
 
 def test_default_policy_greedy_equals_ar(tiny256):
     """The new defaults (cost policy, measured candidate pass) stay token-for-token."""
-    from dspine.engine import Engine
+    from dspine.core.engine import Engine
     prompt = list(range(3, 30))
     ref = Engine(tiny256, None, "ar").generate(prompt, SamplingConfig(), 40).token_ids
     prop = DrafterProposer(random_drafter(tiny256, mode="dspine", block_size=8, seed=4))
@@ -414,7 +414,7 @@ def test_default_policy_greedy_equals_ar(tiny256):
 
 def test_version_and_tune_cli(capsys):
     from dspine import __version__
-    from dspine.cli import main
+    from dspine.cli.main import main
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"dspine {__version__}"
@@ -428,7 +428,7 @@ def test_version_and_tune_cli(capsys):
 
 
 def test_generate_threads_and_kernels_in_json(capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
     prev = torch.get_num_threads()
     try:
         assert main(["generate", "hello", "--target", "random:llama", "--drafter", "random", "--threads", "1",
@@ -466,7 +466,7 @@ def test_unwritable_cache_keeps_results_in_memory(tmp_path, monkeypatch, capsys)
 
 
 def test_unusable_dspine_home_is_a_clear_error(tmp_path, monkeypatch):
-    from dspine.assets import dspine_home
+    from dspine.target.assets import dspine_home
     (tmp_path / "f").write_text("x")
     monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "f" / "sub"))
     with pytest.raises(ValueError, match="DSPINE_HOME .* cannot be created"):
@@ -480,7 +480,7 @@ def test_unusable_dspine_home_is_a_clear_error(tmp_path, monkeypatch):
     (["bench", "--threads", "100000"], "--threads"),
 ])
 def test_bad_tune_and_thread_settings(capsys, argv, needle):
-    from dspine.cli import main
+    from dspine.cli.main import main
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err

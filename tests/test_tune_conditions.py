@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from dspine.policy import _COST_CACHE, CostCurve, CostModelPolicy, _disk_key, measure_cost
-from dspine.target import load_target
+from dspine.control.policy import _COST_CACHE, CostCurve, CostModelPolicy, _disk_key, measure_cost
+from dspine.target.adapter import load_target
 from dspine.tune import conditions, store
 from dspine.tune.choose import cached_choice, choose_fastest
 
@@ -114,7 +114,7 @@ def test_a_right_curve_is_not_flagged(load, capsys):
 
 
 def test_tune_show_lists_conditions(load, capsys):
-    from dspine.cli import main
+    from dspine.cli.main import main
 
     load["cores"] = 1.2
     choose_fastest("t:show", {"a": None}, timer=_timer({"a": 3.0}), redo=True)
@@ -133,7 +133,7 @@ def test_first_run_says_what_it_does_and_json_stays_clean(tmp_path):
     import subprocess
     import sys
 
-    from dspine.assets import dspine_home
+    from dspine.target.assets import dspine_home
 
     home = tmp_path / "home"
     home.mkdir()

@@ -22,8 +22,8 @@ import torch
 from scipy import stats
 
 from dspine.config import SamplingConfig
-from dspine.sampling import filter_probs, make_generator, sample_index, sample_token, uniform
-from dspine.verify import Verdict, verify, verify_greedy, verify_sampling
+from dspine.core.sampling import filter_probs, make_generator, sample_index, sample_token, uniform
+from dspine.core.verify import Verdict, verify, verify_greedy, verify_sampling
 
 ALPHA = 1e-3
 
@@ -86,7 +86,7 @@ def test_lazy_row_filtering_equals_filtering_all_rows():
     """verify_sampling filters p_i only when it examines position i; the verdicts and the
     uniforms consumed equal those with all rows filtered up front (the p= argument), on a
     vocabulary large enough for the partial-sort top-p path."""
-    from dspine.verify import verify_sampling
+    from dspine.core.verify import verify_sampling
 
     rng = random.Random(7)
     seen = set()
@@ -289,7 +289,7 @@ def _sorted_top_p_keep(p: torch.Tensor, top_p: float) -> torch.Tensor:
 def test_partial_sort_top_p_equals_full_sort(first):
     """top_p_keep sorts only the top values (growing x8): same set as the full stable sort,
     boundary ties included, from small vocabularies to a 49k one with many exact ties."""
-    from dspine.sampling import top_p_keep
+    from dspine.core.sampling import top_p_keep
 
     rng = random.Random(first)
     g = torch.Generator().manual_seed(first)

@@ -1,7 +1,7 @@
 """The batched engine (``dspine serve``'s cycles) on the lean decode path vs transformers'
 batched forward, side by side in one process (2026-12-02).
 
-For each concurrency c, c held-out prompts run together through :class:`dspine.batch.BatchEngine`
+For each concurrency c, c held-out prompts run together through :class:`dspine.core.batch.BatchEngine`
 (greedy, the default settings of ``dspine serve``: hybrid proposer, cost policy, measured kernels,
 or ``--mode ar``), once with the lean path (each cycle's tokens of all requests packed into one
 C++ call) and once with it switched off (transformers' forward over the padded batch, as before
@@ -34,8 +34,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from dspine.batch import BatchEngine
-    from dspine.cli import DEFAULT_VERIFY_POLICY, build_engine
+    from dspine.core.batch import BatchEngine
+    from dspine.cli.main import DEFAULT_VERIFY_POLICY, build_engine
     from dspine.config import SamplingConfig
     from dspine.data.sources import heldout_prompts
     from dspine.tune.machine import describe

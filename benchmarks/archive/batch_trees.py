@@ -2,7 +2,7 @@
 process (2026-12-03).
 
 For each concurrency c, c held-out prompts (code and chat, after the first 16 of each set, which
-were tuned on) run together through :class:`dspine.batch.BatchEngine` on the lean decode path,
+were tuned on) run together through :class:`dspine.core.batch.BatchEngine` on the lean decode path,
 greedy, with ``dspine serve``'s defaults (hybrid proposer, cost policy, measured kernels) and
 either draft trees sized per cycle (``--tree-budget B``, ``--tree-size cost``) or chains
 (``--tree-budget 0``), alternating which goes first per round. The figure is output tokens per
@@ -34,8 +34,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from dspine.batch import BatchEngine
-    from dspine.cli import DEFAULT_VERIFY_POLICY, build_engine
+    from dspine.core.batch import BatchEngine
+    from dspine.cli.main import DEFAULT_VERIFY_POLICY, build_engine
     from dspine.config import SamplingConfig
     from dspine.data.sources import heldout_prompts
     from dspine.trees.tree import TreeSpec

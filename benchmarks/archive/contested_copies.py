@@ -43,7 +43,7 @@ CONFIGS = ("ar", "default", "split", "depth")
 
 def split(engine) -> None:
     """Price contested copies apart: a source ``ngram-contested`` with its own cost policy."""
-    from dspine.policy import CostModelPolicy, copy_cost
+    from dspine.control.policy import CostModelPolicy, copy_cost
 
     engine.proposer.split_contested = True
     pols = engine.verify_policy.policies
@@ -61,8 +61,8 @@ def build(threads: int, labels: tuple[str, ...] = ("default", "split", "depth"))
     engine per label, as ``dspine generate`` builds them, sharing the target and drafter."""
     import torch
 
-    from dspine import cli
-    from dspine.engine_setup import drafter_engine
+    from dspine.cli import main as cli
+    from dspine.cli.engine_setup import drafter_engine
 
     torch.set_num_threads(threads)
     parser = cli._Parser(prog="dspine")
@@ -70,7 +70,7 @@ def build(threads: int, labels: tuple[str, ...] = ("default", "split", "depth"))
     a = parser.parse_args(["generate", "x"])
     target, ar = cli.build_engine(a.target, None, "ar", a.dtype, linear_backend=a.linear_backend, runtime=a.runtime,
                                   target_weights=a.target_weights)
-    from dspine.draft import load_drafter
+    from dspine.drafter.checkpoint import load_drafter
 
     path = str(cli.default_drafter_path(a.target, "dspine"))
     model = load_drafter(path, target, dtype=target.dtype)

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from dspine.cli import DEFAULT_CHECKPOINTS
+from dspine.cli.main import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
 from dspine.data.build import encode_record
 from dspine.data.sources import heldout_prompts
-from dspine.draft import load_drafter
+from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
+from dspine.core.engine import Engine
 from dspine.proposers import make_proposer
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 from dspine.tune.machine import describe
 
 DATA = Path(__file__).resolve().parents[2] / "training-data" / "smollm2-135m-regen"

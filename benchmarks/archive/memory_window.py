@@ -1,7 +1,7 @@
 """Draft context memory vs context length: dense pool (release) vs ring buffer (dspine).
 
 Spec section 7: the release keeps a dense draft pool (the attention window limits what
-is read, not what is kept); dspine's :class:`dspine.draft.DraftContextCache` is a ring
+is read, not what is kept); dspine's :class:`dspine.drafter.checkpoint.DraftContextCache` is a ring
 buffer bounded at ``window`` positions, so draft memory is flat past the window.
 
 One request is simulated with the small-profile drafter for SmolLM2-135M (shapes of
@@ -9,7 +9,7 @@ the real drafter; random weights and random target features, since memory does n
 depend on their values): a prefill of ``--prefill`` positions, then decode cycles that
 commit 1..``--block`` accepted positions each (seeded), up to ``--context`` positions.
 After each commit the measured ``nbytes()`` of both layouts is recorded next to the
-estimate of :func:`dspine.memory.estimate`. Writes ``memory_window.json`` and
+estimate of :func:`dspine.drafter.memory.estimate`. Writes ``memory_window.json`` and
 ``memory_window.png`` next to this script (or into ``--out``).
 
     python benchmarks/archive/memory_window.py [--context 8192] [--dtype bfloat16]
@@ -27,8 +27,8 @@ import torch
 
 from dspine.config import DSpineConfig
 from dspine.proposers.drafter import DraftContextCache
-from dspine.memory import estimate, fmt_bytes
-from dspine.model import DSpineDrafter
+from dspine.drafter.memory import estimate, fmt_bytes
+from dspine.drafter.model import DSpineDrafter
 
 
 def run(context: int, prefill: int, block: int, dtype: str, seed: int, every: int) -> dict:

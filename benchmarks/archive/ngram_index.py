@@ -84,7 +84,7 @@ def tokens_of_text(n: int) -> list[int]:
     import inspect
     import json.decoder as mod
 
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     tok = load_target("smollm2-135m").tokenizer
     ids = tok(inspect.getsource(mod))["input_ids"]

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from dspine.hybrid import ReplayCache, build_random_hybrid, default_layer_types, rerun_rollback
+from dspine.target.replay_ssm import ReplayCache, build_random_hybrid, default_layer_types, rerun_rollback
 
 SIZES = {
     # the test configuration: hidden 64, 4 layers (3 linear + 1 full)

@@ -17,10 +17,10 @@ from dspine.data.sources import heldout_prompts
 def load_smollm2_dense(linear_backend: str = "auto"):
     """The default target in float32 on the dense runtime with ``linear_backend`` applied,
     and the shipped DSpine drafter bound to it: (target, backend used, drafter)."""
-    from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft import load_drafter
+    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.drafter.checkpoint import load_drafter
     from dspine.runtime.packed import apply_linear_backend
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
 
     t = load_target("smollm2-135m", dtype="float32")
     t.set_runtime("dense")

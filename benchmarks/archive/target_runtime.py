@@ -27,15 +27,15 @@ from pathlib import Path
 
 import torch
 
-from dspine.cli import DEFAULT_CHECKPOINTS
+from dspine.cli.main import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
-from dspine.draft import load_drafter
+from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.policy import make_policy
+from dspine.core.engine import Engine
+from dspine.control.policy import make_policy
 from dspine.proposers import make_proposer
 from dspine.runtime.packed import apply_linear_backend
-from dspine.target import load_target
+from dspine.target.adapter import load_target
 from dspine.trees import TreeSpec
 from dspine.tune.machine import describe, machine_info
 

@@ -25,7 +25,7 @@ import torch
 
 from side_by_side import heldout_ids, interleaved_greedy, paired_ratio
 
-from dspine.cli import DEFAULT_VERIFY_POLICY, build_engine
+from dspine.cli.main import DEFAULT_VERIFY_POLICY, build_engine
 from dspine.tune.machine import describe, machine_info
 
 CONFIGS = {  # label -> (target weights, linear backend, mode)

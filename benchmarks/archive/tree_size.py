@@ -28,8 +28,8 @@ import torch
 from side_by_side import heldout_ids, interleaved_greedy, load_smollm2_dense, paired_ratio
 
 from dspine.proposers.drafter import DrafterProposer
-from dspine.engine import Engine
-from dspine.policy import make_policy
+from dspine.core.engine import Engine
+from dspine.control.policy import make_policy
 from dspine.proposers import make_proposer
 from dspine.trees import TreeSpec
 from dspine.tune.machine import describe, machine_info
@@ -58,8 +58,8 @@ def main() -> None:
         specs["fixed8"] = TreeSpec(8)
     for b in a.budgets.split(","):  # sized trees, with the tree gate (the default) and without it
         specs[f"cost{b}"] = specs[f"cost{b}-always"] = TreeSpec(int(b), size="cost")
-    from dspine.cli import DEFAULT_CHECKPOINTS
-    from dspine.draft_vocab import resolve
+    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.drafter.vocab import resolve
 
     vocab = resolve(a.draft_vocab, DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", drafter.cfg.vocab_size,
                     drafter.cfg.head_topk)

@@ -50,7 +50,7 @@ def prompts(target, n: int) -> list[dict]:
 def run_dspine(drafter: str, ps: list[dict], max_tokens: int, threads: int) -> dict:
     import torch
 
-    from dspine.cli import build_engine
+    from dspine.cli.main import build_engine
 
     torch.set_num_threads(threads)
     res = {}
@@ -110,7 +110,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from dspine.target import load_target
+    from dspine.target.adapter import load_target
     from dspine.tune.machine import describe, machine_info, others_cpu_load
 
     work, out = Path(a.work), Path(a.out)

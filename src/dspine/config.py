@@ -163,7 +163,7 @@ class SamplingConfig:
     """Decoding settings (spec section 5). ``temperature == 0`` means greedy.
 
     Filters are applied in the order temperature -> top-k -> top-p -> min-p, by the
-    plain sampler and by the verifier alike (:mod:`dspine.sampling`).
+    plain sampler and by the verifier alike (:mod:`dspine.core.sampling`).
 
     Raises:
         ConfigError: naming the field when out of range.

@@ -2,7 +2,7 @@
 
 The released serving path accepts only a narrow configuration and refuses the rest
 with an error naming the setting. This module does the same for the dspine runtime:
-:func:`validate_runtime` is called once at start (``dspine.cli.build_engine``; a
+:func:`validate_runtime` is called once at start (``dspine.cli.main.build_engine``; a
 server calls it with its concurrency) and raises :class:`GuardError` with one line
 naming the setting, the value given and the accepted values. The table in
 ``docs/validated.md`` lists the same settings (:data:`VALIDATED` is its source).
@@ -35,7 +35,7 @@ DRAFTER_DTYPES = ("float32", "bfloat16")
 TARGET_DTYPES = ("float32", "bfloat16")
 STATE_DTYPES = ("float32",)
 KV_CACHE_DTYPES = ("auto",)
-#: config fields of recurrent targets that set the state dtype (as dspine.hybrid reads them)
+#: config fields of recurrent targets that set the state dtype (as dspine.target.replay_ssm reads them)
 STATE_DTYPE_FIELDS = ("recurrent_state_dtype", "mamba_ssm_dtype", "mamba_ssm_cache_dtype", "ssm_state_dtype")
 
 #: (setting, accepted values, why) — the source of docs/validated.md.
@@ -197,7 +197,7 @@ def validate_runtime(target=None, drafter_cfg=None, *, dtype="float32", device="
     """Refuse any configuration the runtime has not validated (spec section 8).
 
     Args:
-        target: a loaded :class:`dspine.target.Target`, or None to check the settings
+        target: a loaded :class:`dspine.target.adapter.Target`, or None to check the settings
             only (before loading). Its dtype, output head and (for hybrid targets) the
             ``recurrent_state_dtype`` attribute are checked.
         drafter_cfg: the drafter's :class:`DSpineConfig` or None (``ar`` mode).
@@ -221,7 +221,7 @@ def validate_runtime(target=None, drafter_cfg=None, *, dtype="float32", device="
     if disaggregated:
         raise GuardError("prefill/decode disaggregation is not validated; accepted: off")
     if verify_policy is not None:
-        from .policy import POLICIES
+        from dspine.control.policy import POLICIES
 
         if verify_policy not in POLICIES:
             raise GuardError(f"--verify-policy {verify_policy!r} is unknown; accepted: {', '.join(POLICIES)}")

@@ -7,7 +7,7 @@ settings; :func:`check_fair` refuses a run where any of it differs. See
 :mod:`dspine.bench.checks` (pass@1, tool-call validity) and :mod:`dspine.bench.report`
 (summary, cost model, Markdown, plots).
 """
-from .harness import (GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, Harness,
+from dspine.bench.harness import (GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, Harness,
                       UnfairComparisonError, check_fair, check_rows_fair, require_batched_engine,
                       run_bench, smoke_config)
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from .workloads import HUMANEVAL_STOP
+from dspine.bench.workloads import HUMANEVAL_STOP
 
 
 # -- HumanEval -----------------------------------------------------------------------------

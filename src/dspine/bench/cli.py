@@ -29,9 +29,9 @@ import argparse
 import json
 import sys
 
-from ..argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, PROPOSER_NAMES, TREE_SIZES, nonneg_int, positive_int, seed_int, thread_count, tree_budget, tree_shape
-from .harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
-from .workloads import parse_workloads
+from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, PROPOSER_NAMES, TREE_SIZES, nonneg_int, positive_int, seed_int, thread_count, tree_budget, tree_shape
+from dspine.bench.harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
+from dspine.bench.workloads import parse_workloads
 
 
 def _settings(args) -> tuple[DecodeSetting, ...]:
@@ -81,7 +81,7 @@ def config_from_args(args) -> BenchConfig:
     if args.smoke and args.headline:
         raise BenchError("--smoke and --headline: choose one preset")
     if args.headline:
-        from .headline import headline_config
+        from dspine.bench.headline import headline_config
 
         return headline_config(**given)
     return smoke_config(**given) if args.smoke else BenchConfig(**given)
@@ -94,7 +94,7 @@ def default_out(args) -> str:
     if args.headline:
         import datetime
 
-        from ..tune.machine import isa_class
+        from dspine.tune.machine import isa_class
 
         isa = isa_class().split("+")[0].lower().replace("-", "")
         return f"benchmarks/headline/{isa}-{datetime.date.today().isoformat()}"
@@ -107,7 +107,7 @@ def cmd_bench(args) -> int:
     summary = run_bench(cfg, out, progress=not args.no_progress, plots=not args.no_plots,
                         overwrite=args.overwrite)
     if args.headline:
-        from .headline import render, write_headline
+        from dspine.bench.headline import render, write_headline
 
         doc = write_headline(summary, out, plots=not args.no_plots)
         print(render(doc["table"], doc["stamp"], doc["modes"]), file=sys.stderr)
@@ -163,7 +163,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter-dflash", default=None, help="dflash checkpoint dir or 'random' (default: shipped)")
     p.add_argument("--verify-policy", default=None, choices=["fixed", "cost"],
                    help="verification-length policy of dflash/dspine (default cost, as generate and serve)")
-    from ..cli import add_target_runtime_args
+    from dspine.cli.main import add_target_runtime_args
 
     add_target_runtime_args(p, default=None, every_mode=True)
     p.add_argument("--tree-budget", type=tree_budget, default=None, metavar="N",
@@ -174,7 +174,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tree-size", choices=list(TREE_SIZES), default=None,
                    help=f"fixed | cost: the verified prefix of best-first trees chosen per cycle "
                         f"(default {DEFAULT_TREE_SIZE}, as generate)")
-    from ..cli import add_drafter_kernel_args
+    from dspine.cli.main import add_drafter_kernel_args
 
     add_drafter_kernel_args(p, default=None)  # default: BenchConfig's, as generate ("auto")
     p.add_argument("--block-size", type=int, default=None, help="block size of random drafters (default 16); a checkpoint runs at its own")
@@ -194,7 +194,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600; smoke 300)")
     p.add_argument("--code-timeout", type=float, default=None, help="seconds per HumanEval test run (default 10)")
     p.add_argument("--concurrency", default=None,
-                   help="levels like 1 or 1,4 (default 1; above 1 needs the batched engine dspine.batch)")
+                   help="levels like 1 or 1,4 (default 1; above 1 needs the batched engine dspine.core.batch)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=cmd_bench)

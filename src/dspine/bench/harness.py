@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE
-from ..config import SamplingConfig
-from .fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
-from .llama_cpp import LLAMA_MODES, LlamaCppRunner
-from .runners import ALL_MODES, ENGINE_MODES, drafter_kind, make_runner
-from .workloads import WORKLOAD_NAMES, build_prompts, parse_workloads, warmup_prompt, workload_version
+from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE
+from dspine.config import SamplingConfig
+from dspine.bench.fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
+from dspine.bench.llama_cpp import LLAMA_MODES, LlamaCppRunner
+from dspine.bench.runners import ALL_MODES, ENGINE_MODES, drafter_kind, make_runner
+from dspine.bench.workloads import WORKLOAD_NAMES, build_prompts, parse_workloads, warmup_prompt, workload_version
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class BenchConfig:
     tree_shape: str = "dynamic"  # dynamic | widths per depth such as 4,2,1
     tree_size: str = DEFAULT_TREE_SIZE  # fixed | cost (dspine.trees.sizer)
     # how the drafter modes' drafter runs, as generate's defaults (dspine.tune.drafter,
-    # dspine.draft_vocab, dspine.tune.head): the speed of what users run
+    # dspine.drafter.vocab, dspine.tune.head): the speed of what users run
     drafter_linears: str = "auto"  # auto | float32 | q8
     draft_vocab: str = "auto"  # auto | full | subset
     head_kernel: str = "auto"  # auto | int8 | bfloat16 | exact | blockq
@@ -134,17 +134,17 @@ def parse_modes(spec: str | list[str]) -> tuple[str, ...]:
 
 
 def require_batched_engine(concurrency: int) -> None:
-    """Concurrency above 1 needs the batched engine (``dspine.batch``); refuse otherwise."""
+    """Concurrency above 1 needs the batched engine (``dspine.core.batch``); refuse otherwise."""
     if concurrency < 1:
         raise BenchError(f"--concurrency {concurrency}: must be >= 1")
-    if concurrency > 1 and importlib.util.find_spec("dspine.batch") is None:
+    if concurrency > 1 and importlib.util.find_spec("dspine.core.batch") is None:
         raise BenchError(f"--concurrency {concurrency}: this build has no batched engine "
-                         f"(dspine.batch); only --concurrency 1 can be measured")
+                         f"(dspine.core.batch); only --concurrency 1 can be measured")
 
 
 def resolve_drafters(cfg: BenchConfig) -> dict:
     """Drafter per speculative mode: explicit > shipped checkpoint > random (smoke only)."""
-    from ..cli import default_drafter_path
+    from dspine.cli.main import default_drafter_path
 
     out = {}
     wanted = {drafter_kind(m) for m in cfg.modes}
@@ -191,8 +191,8 @@ def environment(target, cfg: BenchConfig) -> dict:
     """Versions, threads, dtype, device, host and git commit of this run."""
     import transformers
 
-    from .. import __version__ as dspine_version
-    from ..tune.machine import isa_class
+    from dspine import __version__ as dspine_version
+    from dspine.tune.machine import isa_class
 
     cpu = platform.processor()
     try:
@@ -219,7 +219,7 @@ def environment(target, cfg: BenchConfig) -> dict:
 
 # -- the run ------------------------------------------------------------------------------------
 def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
-    from .checks import check_convert, check_edit, check_multifile, check_tool_call, run_humaneval
+    from dspine.bench.checks import check_convert, check_edit, check_multifile, check_tool_call, run_humaneval
 
     if prompt.workload == "code":
         m = prompt.meta
@@ -249,7 +249,7 @@ class Harness:
     runs the protocol and writes rows (see module docstring)."""
 
     def __init__(self, cfg: BenchConfig, target=None):
-        from ..target import load_target
+        from dspine.target.adapter import load_target
 
         self.cfg = cfg
         parse_modes(list(cfg.modes))
@@ -260,12 +260,12 @@ class Harness:
             raise BenchError(f"--repeats must be >= 1 and --warmup >= 0 (got {cfg.repeats}, {cfg.warmup})")
         if not cfg.settings:
             raise BenchError("--settings: give at least one decoding setting")
-        from ..guards import validate_runtime
+        from dspine.guards import validate_runtime
 
         # the same guards as generate/serve, before anything is loaded (GuardError names the setting)
         validate_runtime(None, None, dtype=cfg.dtype, device=cfg.device, concurrency=max(cfg.concurrency),
                          verify_policy=cfg.verify_policy)
-        from ..proposers import PROPOSERS
+        from dspine.proposers import PROPOSERS
 
         if cfg.proposer not in PROPOSERS:
             raise BenchError(f"--proposer {cfg.proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
@@ -279,12 +279,12 @@ class Harness:
                                    or str(target.dtype).replace("torch.", "") != cfg.dtype):
             raise UnfairComparisonError(f"the preloaded target ({target.name}, {target.dtype}) is not the "
                                         f"configured one ({cfg.target}, {cfg.dtype})")
-        from ..runtime.packed import LINEAR_BACKENDS, apply_linear_backend
+        from dspine.runtime.packed import LINEAR_BACKENDS, apply_linear_backend
 
         if cfg.linear_backend not in ("auto", *LINEAR_BACKENDS):
             raise BenchError(f"--linear-backend {cfg.linear_backend!r} is unknown; accepted: auto, "
                              f"{', '.join(LINEAR_BACKENDS)}")
-        from ..runtime.select import RUNTIMES, apply_runtime
+        from dspine.runtime.select import RUNTIMES, apply_runtime
 
         if cfg.runtime not in ("auto", *RUNTIMES):
             raise BenchError(f"--runtime {cfg.runtime!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")
@@ -296,7 +296,7 @@ class Harness:
                 raise BenchError(str(e)) from None
         if target is None or cfg.linear_backend != "auto":  # one backend for every mode (a fair run)
             apply_linear_backend(self.target, cfg.linear_backend, progress=progress_notes())
-        from ..trees.tree import TreeSpec, parse_tree_shape
+        from dspine.trees.tree import TreeSpec, parse_tree_shape
 
         try:
             tree = TreeSpec(cfg.tree_budget, parse_tree_shape(cfg.tree_shape), size=cfg.tree_size)
@@ -425,7 +425,7 @@ class Harness:
         return rows
 
     def _run_concurrent(self, c: int, setting: DecodeSetting, emit, bar) -> None:
-        from ..batch import BatchEngine
+        from dspine.core.batch import BatchEngine
 
         for mode in self.cfg.modes:
             if mode not in ENGINE_MODES:
@@ -462,7 +462,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plot
             (:data:`RESULT_FILES`) and ``overwrite`` is False (checked before any model is
             loaded; nothing is written). With ``overwrite`` those files are removed first.
     """
-    from .report import summarize, write_report
+    from dspine.bench.report import summarize, write_report
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

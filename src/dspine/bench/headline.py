@@ -34,7 +34,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .harness import GREEDY, BenchConfig
+from dspine.bench.harness import GREEDY, BenchConfig
 
 HEADLINE_WORKLOADS = ("stdlib", "sharegpt", "edit")
 HEADLINE_MODES = ("ar", "dspine", "ngram", "dspine-drafter", "hf-pld")
@@ -51,7 +51,7 @@ def find_llama_cpp(spec: str | None = None) -> str | None:
     ``$DSPINE_LLAMA_CPP`` (either must hold a usable ``llama-server``: BenchError names it
     otherwise), else a ``llama-server`` on PATH; None when there is none (the column is
     then left out and the table says so)."""
-    from .llama_cpp import find_llama_server
+    from dspine.bench.llama_cpp import find_llama_server
 
     if spec or os.environ.get("DSPINE_LLAMA_CPP"):
         return str(find_llama_server(spec))

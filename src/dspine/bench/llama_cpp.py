@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import SamplingConfig
-from .fairness import BenchError
-from .runners import Runner, _sampling_dict, _text, finish_ids
+from dspine.config import SamplingConfig
+from dspine.bench.fairness import BenchError
+from dspine.bench.runners import Runner, _sampling_dict, _text, finish_ids
 
 LLAMA_MODES = ("llama-cpp", "llama-cpp-lookup")
 #: llama-server's prompt-lookup settings of ``llama-cpp-lookup`` (draft up to 15 tokens after
@@ -76,7 +76,7 @@ def find_llama_server(spec: str | Path | None) -> Path:
 def default_gguf(target) -> Path | None:
     """The GGUF the target was converted from (e.g. SmolLM2's Q4_1 file), when it is still
     in ``$DSPINE_HOME/gguf`` with the recorded sha256; else None."""
-    from ..assets import dspine_home, sha256_file
+    from dspine.target.assets import dspine_home, sha256_file
 
     marker = Path(target.path) / "dspine_target.json" if target.path else None
     if marker is None or not marker.is_file():
@@ -252,7 +252,7 @@ class LlamaCppRunner(Runner):
         if not g.is_file():
             raise BenchError(f"--gguf {g}: no such file")
         self.gguf = g
-        from ..assets import sha256_file
+        from dspine.target.assets import sha256_file
 
         self.gguf_shape = check_gguf_matches(g, target)
         self.gguf_sha256 = sha256_file(g)

@@ -22,7 +22,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .fairness import check_rows_fair
+from dspine.bench.fairness import check_rows_fair
 
 COST_MODEL_TOLERANCE = 0.10
 PEER = "hf-pld"  # the external peer a user would pick instead (transformers prompt lookup)

@@ -1,8 +1,8 @@
-"""One runner per benchmark mode, all over the *same* loaded :class:`~dspine.target.Target`.
+"""One runner per benchmark mode, all over the *same* loaded :class:`~dspine.target.adapter.Target`.
 
 * :class:`EngineRunner`: ``ar``, ``dflash``, ``dspine``, ``ngram`` (copies alone) and
   ``dspine-drafter`` (the DSpine drafter alone: no copies, single chains, whole blocks
-  verified) through :class:`dspine.engine.Engine` (the same loop, sampler and stop logic;
+  verified) through :class:`dspine.core.engine.Engine` (the same loop, sampler and stop logic;
   only the proposer differs).
 * :class:`HFRunner`: ``hf`` (plain ``model.generate``) and ``hf-pld`` (``generate`` with
   ``prompt_lookup_num_tokens``), the peers a user would pick. TTFT and cycles come
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import SamplingConfig
+from dspine.config import SamplingConfig
 
 ENGINE_MODES = ("ar", "dflash", "dspine", "ngram", "dspine-drafter")  # ngram: our own prompt lookup (no drafter)
 #: modes that run a fixed configuration whatever the run's --proposer / --verify-policy / tree:
@@ -182,11 +182,11 @@ class EngineRunner(Runner):
                 drafter setting that cannot run here (naming the setting).
         """
         super().__init__(target, threads)
-        from ..draft import load_drafter, random_drafter, read_card
-        from ..engine import Engine, EngineError
-        from ..engine_setup import drafter_engine
-        from ..policy import make_policy
-        from ..proposers import make_proposer
+        from dspine.drafter.checkpoint import load_drafter, random_drafter, read_card
+        from dspine.core.engine import Engine, EngineError
+        from dspine.cli.engine_setup import drafter_engine
+        from dspine.control.policy import make_policy
+        from dspine.proposers import make_proposer
 
         self.mode = mode
         kind = drafter_kind(mode)
@@ -217,7 +217,7 @@ class EngineRunner(Runner):
             self.drafter_path, self.card = str(drafter), read_card(drafter)
             w = Path(drafter) / "model.safetensors"
             if w.is_file():  # which weights ran, beyond the path (a path's content changes with commits)
-                from ..assets import sha256_file
+                from dspine.target.assets import sha256_file
 
                 self.drafter_sha256 = sha256_file(w)[:16]
         self.block_size = model.cfg.block_size
@@ -301,7 +301,7 @@ class EngineRunner(Runner):
         ``prefill_stall_s`` is the time (s) its decoding waited while other requests
         were prefilled and admitted (prefill is not chunked into the cycles).
         """
-        from ..engine import EngineError  # noqa: F401  (errors propagate as ValueError)
+        from dspine.core.engine import EngineError  # noqa: F401  (errors propagate as ValueError)
 
         be = batch_engine
         reqs: list = [None] * len(prompts)

@@ -93,7 +93,7 @@ class BenchPrompt:
 
 # -- selection rules (used to write workloads.json) --------------------------------------
 def _select_short_long() -> tuple[list[str], list[str]]:
-    from ..data.sources import load_mtbench
+    from dspine.data.sources import load_mtbench
 
     by_cat: dict[str, list[int]] = {}
     for r in load_mtbench():
@@ -108,19 +108,19 @@ def _select_short_long() -> tuple[list[str], list[str]]:
 
 
 def _select_code() -> list[str]:
-    from ..data.sources import load_humaneval
+    from dspine.data.sources import load_humaneval
 
     return [r["task_id"] for r in load_humaneval()][::4]
 
 
 def _select_edit() -> list[str]:
-    from ..data.sources import load_humaneval
+    from dspine.data.sources import load_humaneval
 
     return [r["task_id"] for r in load_humaneval()][2::4]
 
 
 def _multifile_candidates() -> list[str]:
-    from ..data.sources import _module_path, load_splits
+    from dspine.data.sources import _module_path, load_splits
 
     out = []
     for m in sorted(load_splits()["stdlib_heldout_modules"]):
@@ -146,7 +146,7 @@ def _select_multifile(groups: int = 8, k: int = 3) -> list[dict]:
 
 
 def _select_tools(per_category: int = 4) -> list[str]:
-    from ..data.sources import BFCL_DEFAULT, load_bfcl
+    from dspine.data.sources import BFCL_DEFAULT, load_bfcl
 
     out = []
     for cat in BFCL_DEFAULT:
@@ -159,7 +159,7 @@ def _select_tools(per_category: int = 4) -> list[str]:
 def _select_convert(per_category: int = 4) -> list[str]:
     """BFCL rows of the tools categories from the second row on (the ``tools`` ids are
     every ``step``-th row from the first, so the two sets share no row)."""
-    from ..data.sources import BFCL_DEFAULT, load_bfcl
+    from dspine.data.sources import BFCL_DEFAULT, load_bfcl
 
     tools = set(_select_tools())
     out = []
@@ -171,14 +171,14 @@ def _select_convert(per_category: int = 4) -> list[str]:
 
 
 def _select_heldout(kind: str) -> list[str]:
-    from ..data.sources import heldout_prompts
+    from dspine.data.sources import heldout_prompts
 
     return [r["id"] for r in heldout_prompts(kind, HELDOUT_OFFSET + HELDOUT_COUNT)[HELDOUT_OFFSET:]]
 
 
 def _heldout_rows(kind: str, ids: list[str]) -> dict[str, dict]:
     """The held-out prompt records of ``kind`` (``code`` / ``chat``) with these ids."""
-    from ..data.sources import iter_sharegpt, iter_stdlib_prompts
+    from dspine.data.sources import iter_sharegpt, iter_stdlib_prompts
 
     want = set(ids)
     if kind == "code":  # ids are module:offset; read each module once
@@ -289,7 +289,7 @@ def _strip_module_docstring(src: str) -> str:
 
 
 def _encode_chat(target, messages: list[dict]) -> list[int]:
-    from ..data.build import encode_record
+    from dspine.data.build import encode_record
 
     return encode_record(target, {"kind": "chat", "messages": messages})
 
@@ -314,7 +314,7 @@ def _truncate_lines(target, text: str, max_tokens: int) -> str:
 
 
 def _multifile_prompt(target, entry: dict, budget: int) -> tuple[list[int], dict] | None:
-    from ..data.sources import _module_path
+    from dspine.data.sources import _module_path
 
     files = []
     for m in entry["modules"]:
@@ -366,7 +366,7 @@ def build_prompts(target, names: list[str], limit: int | None = None, context_to
     Returns:
         (prompts, skipped) where ``skipped`` lists ``{"workload", "id", "reason"}``.
     """
-    from ..data.sources import load_bfcl, load_humaneval, load_mtbench
+    from dspine.data.sources import load_bfcl, load_humaneval, load_mtbench
 
     ws = load_workloads()["workloads"]
     prompts: list[BenchPrompt] = []

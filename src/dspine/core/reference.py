@@ -2,9 +2,9 @@
 
 One request, one proposer, the whole block verified every cycle; no cost policy, no
 copies-or-draft choice, no draft trees, no stop strings, no batching. It calls the same
-functions the engine calls (the target's forward and cache, :func:`dspine.sampling.sample_token`,
-:func:`dspine.verify.verify`), so for a fixed verification length the engine
-(:class:`dspine.engine.Engine` with ``verify_policy=None`` and no tree) emits the same
+functions the engine calls (the target's forward and cache, :func:`dspine.core.sampling.sample_token`,
+:func:`dspine.core.verify.verify`), so for a fixed verification length the engine
+(:class:`dspine.core.engine.Engine` with ``verify_policy=None`` and no tree) emits the same
 tokens for greedy decoding and the same tokens for a seeded sampler (the same random draws
 in the same order): ``tests/test_reference.py`` checks both.
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingConfig
-from ..sampling import make_generator, sample_token
-from ..verify import verify
+from dspine.config import SamplingConfig
+from dspine.core.sampling import make_generator, sample_token
+from dspine.core.verify import verify
 
 
 def _features(out, k: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def reference_generate(target, proposer, prompt_ids: list[int], sampling: Sampli
     """Generate up to ``max_new_tokens`` ids (ending early at the target's EOS).
 
     Args:
-        target: a loaded :class:`dspine.target.Target`.
+        target: a loaded :class:`dspine.target.adapter.Target`.
         proposer: a :class:`dspine.proposers.base.Proposer` (its ``feature_layers`` say
             which target layers it reads), or None for the plain target loop.
         prompt_ids: the prompt's token ids (non-empty).

@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from .sources import (
+from dspine.data.sources import (
     heldout_prompts,
     iter_jsonl_prompts,
     iter_sharegpt,
@@ -29,6 +29,6 @@ __all__ = [
 
 def __getattr__(name):  # lazy: build.py imports torch/transformers
     if name in ("build_dataset", "load_dataset"):
-        from . import build
+        from dspine.data import build
         return getattr(build, name)
     raise AttributeError(name)

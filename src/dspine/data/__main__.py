@@ -1,6 +1,6 @@
 """``python -m dspine.data ...``: the same as ``dspine data build ...``."""
 import sys
 
-from .cli import main
+from dspine.data.cli import main
 
 sys.exit(main())

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .generate import cpu_speed_patches, generate_batch, generate_batch_hf  # noqa: F401
-from .sources import interleave, iter_jsonl_prompts, training_prompts
+from dspine.data.generate import cpu_speed_patches, generate_batch, generate_batch_hf  # noqa: F401
+from dspine.data.sources import interleave, iter_jsonl_prompts, training_prompts
 
 FORMAT = "dspine-data/1"
 MANIFEST = "manifest.json"
@@ -210,8 +210,8 @@ def _auto_dtype(target: str, out_dir, resume: bool, batch_size: int, progress: b
         return old
     if cuda:
         return "bfloat16"
-    from ..target import load_target
-    from ..tune.dtype import choose_forward_dtype
+    from dspine.target.adapter import load_target
+    from dspine.tune.dtype import choose_forward_dtype
 
     probe = load_target(target, dtype="float32")
     c = choose_forward_dtype(probe, batch_size, 64, True, progress=progress)
@@ -271,8 +271,8 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         ValueError: empty prompt file, unknown/eval-only source, or ``out_dir`` holding
             data of another target (or of this target without ``resume``).
     """
-    from ..guards import resolve_device
-    from ..target import Target, load_target
+    from dspine.guards import resolve_device
+    from dspine.target.adapter import Target, load_target
 
     if time_limit is not None and not time_limit > 0:
         raise ValueError(f"--time-limit {time_limit}: must be a positive number of seconds")
@@ -492,7 +492,7 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
         ValueError: no manifest, the manifest's target/tokenizer differs (names both), or
             a damaged row (names the shard file and line).
     """
-    from ..target import Target, load_target
+    from dspine.target.adapter import Target, load_target
 
     d = Path(data_dir)
     man = read_manifest(d)

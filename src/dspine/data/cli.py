@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..argtypes import nonneg_int, positive_float, positive_int, thread_count
-from .build import MANIFEST, _data_dir, build_dataset, pack_dataset, parse_shard, read_manifest, verify_packed
+from dspine.argtypes import nonneg_int, positive_float, positive_int, thread_count
+from dspine.data.build import MANIFEST, _data_dir, build_dataset, pack_dataset, parse_shard, read_manifest, verify_packed
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
@@ -64,11 +64,11 @@ def _cmd_info(args) -> int:
 
 def _cmd_vocab(args) -> int:
     """Write a drafter checkpoint's ``draft_vocab.json`` from regenerated training data."""
-    from ..draft import DrafterError, check_fits_target
-    from ..config import DSpineConfig
-    from ..draft_vocab import coverage, frequent_tokens, save_draft_vocab
-    from ..target import load_target
-    from .build import load_dataset
+    from dspine.drafter.checkpoint import DrafterError, check_fits_target
+    from dspine.config import DSpineConfig
+    from dspine.drafter.vocab import coverage, frequent_tokens, save_draft_vocab
+    from dspine.target.adapter import load_target
+    from dspine.data.build import load_dataset
 
     ck = Path(args.drafter)
     if not (ck / "config.json").is_file():
@@ -93,7 +93,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("data", help="build and inspect drafter training data")
     sub = p.add_subparsers(dest="data_cmd", required=True)
     _add_build_args(sub.add_parser("build", help="regenerate target responses for prompt sources"))
-    from .text import add_text_args, cmd_text
+    from dspine.data.text import add_text_args, cmd_text
 
     text = sub.add_parser("text", help="teacher-forcing sequences from existing text (fast, EAGLE-style)")
     add_text_args(text)

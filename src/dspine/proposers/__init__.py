@@ -10,12 +10,12 @@
 """
 from __future__ import annotations
 
-from ..argtypes import PROPOSER_NAMES as PROPOSERS  # the --proposer values
-from .base import Plan, Proposal, Proposer
-from .cache import MIN_TOKENS, OutputCache
-from .drafter import DraftContextCache, DrafterProposer, propose_batch
-from .hybrid import MAX_COPY_BONUS, HybridProposer, HybridState
-from .ngram import NgramIndex, NgramProposer
+from dspine.argtypes import PROPOSER_NAMES as PROPOSERS  # the --proposer values
+from dspine.proposers.base import Plan, Proposal, Proposer
+from dspine.proposers.cache import MIN_TOKENS, OutputCache
+from dspine.proposers.drafter import DraftContextCache, DrafterProposer, propose_batch
+from dspine.proposers.hybrid import MAX_COPY_BONUS, HybridProposer, HybridState
+from dspine.proposers.ngram import NgramIndex, NgramProposer
 
 
 def check_copy_settings(name: str, mode: str = "dspine", cache_tokens: int = 0, ngram_max: int = 4,

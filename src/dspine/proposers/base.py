@@ -14,9 +14,9 @@ Per cycle the engine calls, in this order:
    this cycle uses and how many proposals it can offer at most. It reads only the
    committed context and the anchor, never a random draw, so the choice is
    non-anticipating and sampling stays exact whatever the plan is (the same argument as
-   the verification length policy, :mod:`dspine.policy`). A proposer with several
+   the verification length policy, :mod:`dspine.control.policy`). A proposer with several
    sources (the hybrid) lists the ones available and lets ``pick`` (the cost policy's
-   :meth:`~dspine.policy.PerSourcePolicy.pick`, from past cycles only) choose.
+   :meth:`~dspine.control.policy.PerSourcePolicy.pick`, from past cycles only) choose.
 2. the verification-length policy, ``policy(request, plan.max_n) -> n`` (it sees the
    plan's source as ``request.source``);
 3. :meth:`Proposer.propose` (n >= 1) -> :class:`Proposal`, from the planned source;
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SamplingConfig
+from dspine.config import SamplingConfig
 
 
 @dataclass

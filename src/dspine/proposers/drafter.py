@@ -1,6 +1,6 @@
 """The learned drafters as proposers: DSpine and DFlash-style (spec sections 4-6, 10).
 
-:class:`DrafterProposer` runs a :class:`~dspine.model.DSpineDrafter` (DSpine with bridge
+:class:`DrafterProposer` runs a :class:`~dspine.drafter.model.DSpineDrafter` (DSpine with bridge
 and final stage, or DFlash-style without, by its config flags) over the request's
 draft context K/V (:class:`DraftContextCache`); :func:`propose_batch` runs it for
 several requests with one drafter forward (the batched engine).
@@ -11,12 +11,12 @@ import time
 
 import torch
 
-from ..config import SamplingConfig
-from ..final_stage import candidates, chain, conditional_tables, fused_tables, parallel_argmax
-from ..model import BlockOutput, DSpineDrafter
-from ..runtime.lean_drafter import block_forward
-from ..sampling import filter_probs, sample_index, uniform
-from .base import Proposal, Proposer
+from dspine.config import SamplingConfig
+from dspine.drafter.final_stage import candidates, chain, conditional_tables, fused_tables, parallel_argmax
+from dspine.drafter.model import BlockOutput, DSpineDrafter
+from dspine.runtime.lean_drafter import block_forward
+from dspine.core.sampling import filter_probs, sample_index, uniform
+from dspine.proposers.base import Proposal, Proposer
 
 
 class DraftContextCache:
@@ -142,7 +142,7 @@ class DrafterProposer(Proposer):
         ``q8`` (a copy rounded to Q8_0 blocks on the blockq kernels; the drafter only
         proposes, so the output stays the target's) or ``auto`` (measured,
         :mod:`dspine.tune.drafter`). ``vocab``: a draft vocabulary [Vs] int64 of sorted
-        target ids (:mod:`dspine.draft_vocab`): the candidate pass scores only those rows of
+        target ids (:mod:`dspine.drafter.vocab`): the candidate pass scores only those rows of
         the head (tokens outside are never proposed; needs ``use_quantized_head``); None =
         the whole vocabulary.
 
@@ -150,8 +150,8 @@ class DrafterProposer(Proposer):
             ValueError: unknown ``head_kernel`` (naming ``--head-kernel``) or ``linears``
                 (naming ``--drafter-linears``), or a forced ``q8`` that cannot run here.
         """
-        from ..tune.drafter import plan_drafter_linears
-        from ..tune.head import plan_candidate_pass
+        from dspine.tune.drafter import plan_drafter_linears
+        from dspine.tune.head import plan_candidate_pass
 
         drafter, self.linears_choice = plan_drafter_linears(drafter.eval(), linears)
         self.linears = "q8" if _is_q8(drafter) else "float32"
@@ -223,7 +223,7 @@ class DrafterProposer(Proposer):
                 sampling: SamplingConfig, gen, copy: list[int] | None = None, bonus: float = 0.0) -> Proposal:
         """``copy``: a copied continuation fused into the final stage (DSpine only; ignored
         without one): its tokens join the candidates of rows 1.. and following it scores
-        ``bonus`` more (:func:`~dspine.final_stage.inject_copy`, :func:`~dspine.final_stage.copy_bonus`)."""
+        ``bonus`` more (:func:`~dspine.drafter.final_stage.inject_copy`, :func:`~dspine.drafter.final_stage.copy_bonus`)."""
         d = self.drafter
         t0 = time.perf_counter()
         dev = d.fc.weight.device
@@ -275,7 +275,7 @@ class DrafterProposer(Proposer):
         drafts a chain)."""
         if not self.supports_tree or depth < 1:
             return None
-        from ..trees.build import dynamic_tree, static_tree
+        from dspine.trees.build import dynamic_tree, static_tree
 
         d = self.drafter
         t0 = time.perf_counter()
@@ -312,7 +312,7 @@ class DrafterProposer(Proposer):
 
 def _is_q8(drafter) -> bool:
     """Whether ``drafter``'s linears run on Q8_0 blocks (:func:`dspine.tune.drafter.quantize_drafter`)."""
-    from ..runtime.blockq import BlockQLinear
+    from dspine.runtime.blockq import BlockQLinear
 
     return isinstance(drafter.fc, BlockQLinear)
 
@@ -354,7 +354,7 @@ def dense_proposal(z: torch.Tensor, sampling: SamplingConfig, gen, t0: float) ->
 def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:
     """:meth:`DrafterProposer.propose` for several requests with one drafter forward.
 
-    ``reqs``: :class:`~dspine.engine.Request` objects (``draft_state``, ``anchor``,
+    ``reqs``: :class:`~dspine.core.engine.Request` objects (``draft_state``, ``anchor``,
     ``sampling``, ``gen`` are read); ``positions[j]`` is request j's anchor position and
     ``ns[j] >= 1`` its verification length. Returns one :class:`Proposal` per request.
 

@@ -10,7 +10,7 @@ token and, opt-in, ``ngram-contested`` when the matched suffix's two most recent
 occurrences were followed by different tokens, :meth:`NgramIndex.contested`; q a point
 mass) and the drafter are both on offer, and the cost policy picks the
 one with the higher expected tokens per second from each source's own observed
-acceptance and cost (:meth:`dspine.policy.PerSourcePolicy.pick`; a copy costs no drafter
+acceptance and cost (:meth:`dspine.control.policy.PerSourcePolicy.pick`; a copy costs no drafter
 forward); without a cost policy a copy is taken when its match has 2+ tokens. The choice reads only committed
 tokens, the anchor and past cycles, so it is made before any proposal is drawn and
 sampling stays exact (see :mod:`dspine.proposers.base`).
@@ -24,9 +24,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..config import SamplingConfig
-from .base import Plan, Proposal, Proposer
-from .ngram import CACHE_SOURCE, NgramIndex, NgramProposer
+from dspine.config import SamplingConfig
+from dspine.proposers.base import Plan, Proposal, Proposer
+from dspine.proposers.ngram import CACHE_SOURCE, NgramIndex, NgramProposer
 
 MAX_COPY_BONUS = 1e4  # scores are logits (|T| ~ tens): 1e4 already means "always follow the copy"
 FUSED_SOURCE = "fused"  # the drafter's chain with the copied continuation fused into its final stage
@@ -215,7 +215,7 @@ class HybridProposer(Proposer):
         p.source = src
         k, cont, _ = state.index.lookup_any(anchor, depth, self.ngram.min_match)
         if cont and k >= self.strong_match:  # the copied continuation joins the tree as one more branch
-            from ..trees.build import graft
+            from dspine.trees.build import graft
 
             tree, added = graft(p.tree, cont, merge=sampling.greedy)
             if added:

@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from ..config import SamplingConfig
-from .base import Plan, Proposal, Proposer
-from .cache import CacheView, OutputCache
+from dspine.config import SamplingConfig
+from dspine.proposers.base import Plan, Proposal, Proposer
+from dspine.proposers.cache import CacheView, OutputCache
 
 CACHE_SOURCE = "cache"  # the source name of copies from the cross-request cache (.cache)
 

@@ -41,7 +41,7 @@ def source_version() -> str:
 
 
 def _build_key() -> str:
-    from ..tune.machine import machine_key, march
+    from dspine.tune.machine import machine_key, march
 
     h = hashlib.sha256(_SOURCE.read_bytes())
     # the build files name this torch's include/lib paths: one folder per torch install, so two
@@ -58,7 +58,7 @@ def kernels(progress: bool = True):
     """
     if "mod" in _STATE:
         return _STATE["mod"]
-    from ..assets import dspine_home
+    from dspine.target.assets import dspine_home
 
     key = _build_key()
     build = dspine_home() / "kernels" / f"blockq-{key}"
@@ -74,14 +74,14 @@ def kernels(progress: bool = True):
         lock.unlink(missing_ok=True)
     first = not any(build.glob("*.so"))
     if first and progress:
-        from ..tune.store import first_use_note
+        from dspine.tune.store import first_use_note
 
         first_use_note()
         print("dspine: compiling the blockq linear kernels for this machine and torch install (once; "
               "~40 s-1 min)", file=sys.stderr, flush=True)
     try:
         from torch.utils.cpp_extension import load
-        from ..tune.machine import march
+        from dspine.tune.machine import march
 
         mod = load(name=f"dspine_blockq_{key}", sources=[str(_SOURCE)], build_directory=str(build),
                    extra_cflags=["-O3", f"-march={march()}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)

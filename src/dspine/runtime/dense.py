@@ -49,7 +49,7 @@ def runtime_support(model: nn.Module) -> str | None:
 class DenseCache:
     """K/V of one request for :class:`DenseRuntime`, with commit/rollback by length.
 
-    Same contract as :class:`dspine.target_cache.TargetCache`: ``length`` committed
+    Same contract as :class:`dspine.target.cache.TargetCache`: ``length`` committed
     positions; a forward appends pending positions; :meth:`rollback` keeps a prefix.
     Buffers: keys and values [L, 1, n_kv_heads, capacity, head_dim] in the target dtype;
     the capacity doubles when a forward needs more (one copy, amortised), up to the
@@ -154,20 +154,20 @@ class DenseRuntime:
     def lean_plan(self):
         """The :class:`dspine.runtime.lean.LeanDecode` of the model's current linear layers,
         or None where it cannot run (rebuilt when the linear backend changes the layers)."""
-        from .blockq import BlockQLinear
+        from dspine.runtime.blockq import BlockQLinear
 
         probe = (self.layers[0].self_attn.q_proj, self.layers[-1].mlp.down_proj)
         if self._lean is not None and self._lean[0][0] is probe[0] and self._lean[0][1] is probe[1]:
             return self._lean[1]
         plan = None
         if isinstance(probe[0], BlockQLinear):
-            from .lean import LeanDecode, lean_support
+            from dspine.runtime.lean import LeanDecode, lean_support
 
             if lean_support(self) is None:
                 plan = LeanDecode(self)
         self._lean = (probe, plan)
         if plan is not None:
-            from .lean import choose_lean_rows
+            from dspine.runtime.lean import choose_lean_rows
 
             choose_lean_rows(self, plan)  # measured once per model
         return plan

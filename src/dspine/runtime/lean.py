@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .blockq import BlockQLinear, kernels
+from dspine.runtime.blockq import BlockQLinear, kernels
 
 PROJ = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
         ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
@@ -128,7 +128,7 @@ class LeanDecode:
     def forward_ragged(self, rt, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ks: list[torch.Tensor],
                        vs: list[torch.Tensor], want: list[int], tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                        | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Several requests' new tokens in one call (the batched engine, :mod:`dspine.batch`):
+        """Several requests' new tokens in one call (the batched engine, :mod:`dspine.core.batch`):
         ``ids`` [M] int64 (at most :attr:`rows`), ``rows`` [M] int64 the slot-cache row of each,
         ``pos`` [M] int64 its slot (the cache has room for it); ``ks`` / ``vs`` per layer
         [slots, kv, cap, hd] float32 (contiguous). Token m attends to slots 0..pos[m] of its

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from ..model import BlockOutput
-from .blockq import BlockQLinear, kernels
-from .lean import lean_enabled
+from dspine.drafter.model import BlockOutput
+from dspine.runtime.blockq import BlockQLinear, kernels
+from dspine.runtime.lean import lean_enabled
 
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")
 
 
 def lean_drafter_support(drafter) -> str | None:
-    """None when :class:`LeanDrafter` can run ``drafter`` (a :class:`~dspine.model.DSpineDrafter`), else why not."""
+    """None when :class:`LeanDrafter` can run ``drafter`` (a :class:`~dspine.drafter.model.DSpineDrafter`), else why not."""
     if not lean_enabled():
         return "DSPINE_LEAN is off"
     cfg = drafter.cfg

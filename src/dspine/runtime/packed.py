@@ -131,8 +131,8 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
         ValueError: unknown backend (naming ``--linear-backend``), or a oneDNN backend where
             it cannot run (:func:`pack_linears`); the model is then left on ``aten``.
     """
-    from .blockq import MAX_ROWS, BlockQLinear, choose_rows, pack_blocks, unpack_blocks
-    from .layout import set_column_major
+    from dspine.runtime.blockq import MAX_ROWS, BlockQLinear, choose_rows, pack_blocks, unpack_blocks
+    from dspine.runtime.layout import set_column_major
 
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
@@ -152,7 +152,7 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
             set_column_major(model, False)
             raise ValueError(str(e).replace("--linear-backend onednn", f"--linear-backend {backend}")) from None
     if backend == "blockq":
-        from .blockq import kernels, unavailable_reason
+        from dspine.runtime.blockq import kernels, unavailable_reason
 
         if kernels() is None:
             set_linear_backend(model, "aten")
@@ -191,7 +191,7 @@ def available_backends(target, blockq: bool = True, progress: bool = True) -> tu
 def blockq_available(target, progress: bool = True) -> bool:
     """``blockq`` can run ``target``: float32 on the CPU, its first linear layer holds
     exact Q4_1/Q8_0 blocks, and the kernels build here (compiled on the first call)."""
-    from .blockq import kernels, pack_q4, pack_q8
+    from dspine.runtime.blockq import kernels, pack_q4, pack_q8
 
     if target.dtype != torch.float32 or target.device.type != "cpu":
         return False
@@ -210,8 +210,8 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
     rotated order (the margins can be ~10%, so a drift of the load must not decide). The
     target is left with ``aten`` linears.
     """
-    from ..tune.choose import Choice, choose_fastest
-    from .blockq import source_version
+    from dspine.tune.choose import Choice, choose_fastest
+    from dspine.runtime.blockq import source_version
 
     names = available_backends(target, progress=progress)
     if len(names) == 1:
@@ -268,7 +268,7 @@ def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
         if backend == "blockq" and (target.dtype != torch.float32 or target.device.type != "cpu"):
             why = "; blockq runs float32 targets on the CPU only"
         elif backend == "blockq":
-            from .blockq import unavailable_reason
+            from dspine.runtime.blockq import unavailable_reason
 
             why = (f"; its kernels could not be built: {unavailable_reason()}" if unavailable_reason() else
                    "; this target's weights hold no exact Q4_1/Q8_0 blocks (only targets converted from "

@@ -20,7 +20,7 @@ def resolve_runtime(target, name: str) -> str:
         ValueError: an unknown name, or ``dense`` for a target it cannot run (naming
             ``--runtime``).
     """
-    from .dense import runtime_support
+    from dspine.runtime.dense import runtime_support
 
     if name not in ("auto", *RUNTIMES):
         raise ValueError(f"--runtime {name!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")

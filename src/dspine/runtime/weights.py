@@ -34,7 +34,7 @@ def quantize_target(target, kind: str) -> int:
         raise ValueError(f"--target-weights {kind!r} is unknown; accepted: {', '.join(TARGET_WEIGHTS)}")
     if kind == "as-is":
         return 0
-    from ..tune.drafter import q8_round
+    from dspine.tune.drafter import q8_round
 
     done, seen = 0, set()
     with torch.no_grad():

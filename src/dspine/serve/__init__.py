@@ -1,6 +1,6 @@
 """OpenAI-compatible serving with batched speculative decoding (``dspine serve``).
 
-:func:`create_app` builds the FastAPI app over a :class:`~dspine.batch.BatchEngine`;
+:func:`create_app` builds the FastAPI app over a :class:`~dspine.core.batch.BatchEngine`;
 :class:`ServerThread` runs it with uvicorn in a background thread (tests, embedding);
 ``dspine serve`` (:mod:`dspine.serve.cli`) runs it in the foreground. Names are
 imported lazily so that ``dspine --help`` does not load the web stack.

@@ -26,14 +26,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..batch import BatchEngine
-from ..config import ConfigError, SamplingConfig
-from ..proposers import output_cache_of
-from ..proposers.cache import SCOPES
-from .auth import APIKeys
-from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, field_of
-from .scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
+from dspine.core.batch import BatchEngine
+from dspine.config import ConfigError, SamplingConfig
+from dspine.proposers import output_cache_of
+from dspine.proposers.cache import SCOPES
+from dspine.serve.auth import APIKeys
+from dspine.serve.metrics import CONTENT_TYPE_LATEST, Metrics
+from dspine.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, field_of
+from dspine.serve.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
 
 POLL_S = 0.2  # disconnect polling of non-streamed requests
 

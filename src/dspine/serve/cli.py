@@ -12,15 +12,15 @@ import os
 import signal
 import sys
 
-from ..argtypes import nonneg_float, nonneg_int, port_number, seed_int, thread_count
+from dspine.argtypes import nonneg_float, nonneg_int, port_number, seed_int, thread_count
 
 
 def cmd_serve(args) -> int:
-    from ..batch import MAX_RUNNING_VALIDATED, BatchEngine
-    from ..cli import build_engine
-    from ..engine import EngineError
-    from .app import create_app
-    from .server import bind_socket, make_server
+    from dspine.core.batch import MAX_RUNNING_VALIDATED, BatchEngine
+    from dspine.cli.main import build_engine
+    from dspine.core.engine import EngineError
+    from dspine.serve.app import create_app
+    from dspine.serve.server import bind_socket, make_server
 
     if not 1 <= args.max_running <= MAX_RUNNING_VALIDATED:
         raise EngineError(f"--max-running {args.max_running} is outside the validated range "
@@ -33,15 +33,15 @@ def cmd_serve(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    from ..cli import DEFAULT_VERIFY_POLICY, proposer_notes, tree_notes
-    from ..trees.tree import tree_spec_from_args
+    from dspine.cli.main import DEFAULT_VERIFY_POLICY, proposer_notes, tree_notes
+    from dspine.trees.tree import tree_spec_from_args
 
     notes = list(proposer_notes(args)) + tree_notes(args)
     if args.ngram_cache_scope != "key" and not args.ngram_cache_tokens:
         notes.append(f"--ngram-cache-scope {args.ngram_cache_scope} ignored: no output cache "
                      f"(--ngram-cache-tokens 0)")
     if args.ngram_cache_tokens:
-        from ..proposers.cache import bytes_bound
+        from dspine.proposers.cache import bytes_bound
 
         bound = bytes_bound(args.ngram_cache_tokens, args.ngram_max)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
@@ -56,7 +56,7 @@ def cmd_serve(args) -> int:
         print(f"dspine serve: note: --verify-policy {args.verify_policy} ignored: --mode ar verifies "
               f"no drafted tokens", file=sys.stderr, flush=True)
     args.verify_policy = args.verify_policy or DEFAULT_VERIFY_POLICY
-    from .auth import APIKeys
+    from dspine.serve.auth import APIKeys
 
     api_keys = APIKeys.from_settings(args.api_key, args.api_keys_file)
     sock = bind_socket(args.host, args.port)  # fail fast, before loading models
@@ -103,7 +103,7 @@ def cmd_serve(args) -> int:
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
-    from ..cli import _save_profile
+    from dspine.cli.main import _save_profile
 
     _save_profile(engine)
     c = app.state.scheduler.counters()
@@ -134,7 +134,7 @@ def add_serve_parser(sub) -> None:
                    help="cost (default: one verification length per batched cycle, priced at the number "
                         "of running requests; plain batched steps when drafting does not pay) | fixed "
                         "(verify the whole block)")
-    from ..cli import add_proposer_args, add_target_runtime_args, add_target_weights_arg
+    from dspine.cli.main import add_proposer_args, add_target_runtime_args, add_target_weights_arg
 
     add_target_runtime_args(p)
     add_target_weights_arg(p)
@@ -143,16 +143,16 @@ def add_serve_parser(sub) -> None:
                    help="copies may also come from earlier requests' outputs: keep up to N tokens of "
                         "them (all tenants together, oldest dropped first; ~0.6 KB per token at --ngram-max 4; default 0 = "
                         "off; needs --proposer hybrid or ngram)")
-    from ..proposers.cache import SCOPES
+    from dspine.proposers.cache import SCOPES
 
     p.add_argument("--ngram-cache-scope", default="key", choices=list(SCOPES),
                    help="who shares those outputs: key (the default: requests with the same "
                         "Authorization header; requests without one share the tenant 'anonymous') | "
                         "global (every request: only when all clients may see each other's outputs)")
-    from ..cli import add_drafter_kernel_args
+    from dspine.cli.main import add_drafter_kernel_args
 
     add_drafter_kernel_args(p)
-    from ..argtypes import DEFAULT_SERVE_TREE_BUDGET, add_tree_args
+    from dspine.argtypes import DEFAULT_SERVE_TREE_BUDGET, add_tree_args
 
     add_tree_args(p, DEFAULT_SERVE_TREE_BUDGET)  # batched trees run on the lean path (else chains)
     p.add_argument("--threads", type=thread_count, default=0,
@@ -169,5 +169,5 @@ def add_serve_parser(sub) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
+    from dspine.cli.main import main
     sys.exit(main(["serve"] + sys.argv[1:]))

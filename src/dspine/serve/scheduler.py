@@ -17,10 +17,10 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..batch import BatchEngine
-from ..config import SamplingConfig
-from ..engine import EngineError, Request
-from .metrics import Metrics
+from dspine.core.batch import BatchEngine
+from dspine.config import SamplingConfig
+from dspine.core.engine import EngineError, Request
+from dspine.serve.metrics import Metrics
 
 log = logging.getLogger("dspine.serve")
 

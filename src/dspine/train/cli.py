@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
+from dspine.argtypes import PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
 
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
@@ -30,7 +30,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     ``tree``: a :class:`dspine.trees.TreeSpec` to verify draft trees (the target must run the
     dense runtime); the result then also holds ``tree_nodes_<set>``, the mean nodes per cycle.
     ``copy_bonus``: the hybrid fuses copies into the final stage (``--copy-bonus``).
-    ``vocab``: a draft vocabulary for the candidate pass (:mod:`dspine.draft_vocab`; None = all).
+    ``vocab``: a draft vocabulary for the candidate pass (:mod:`dspine.drafter.vocab`; None = all).
 
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
     "row_accept_<set>": [...], "row_conditional_<set>": [...], "n_<set>": prompts}``, where
@@ -38,11 +38,11 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     rows < k were accepted too) and ``row_conditional[k-1]`` that share given row k-1 accepted. Prompts come from :func:`dspine.data.sources.heldout_prompts`
     (never trained on).
     """
-    from ..data.build import encode_record
-    from ..data.sources import heldout_prompts
-    from ..proposers.drafter import DrafterProposer
-    from ..engine import Engine
-    from ..proposers import make_proposer
+    from dspine.data.build import encode_record
+    from dspine.data.sources import heldout_prompts
+    from dspine.proposers.drafter import DrafterProposer
+    from dspine.core.engine import Engine
+    from dspine.proposers import make_proposer
 
     was_training = drafter.training
     drafter.eval()
@@ -106,7 +106,7 @@ _OLD_DATA_SUMMARY = ("target-regenerated responses plus teacher-forcing text fro
 def _data_summary(data_dirs) -> str:
     """What kinds of sequences a --data list holds, for the model card: target-regenerated
     responses (`dspine data build`) and/or teacher-forcing text (`dspine data text`)."""
-    from ..data.build import read_manifest
+    from dspine.data.build import read_manifest
 
     kinds = set()
     for d in data_dirs:
@@ -156,8 +156,8 @@ def write_model_card(ckpt: str | Path) -> Path:
             the card needs (``target``, ``mode``; ``bridge``, ``block_size``,
             ``num_layers``, ``target_hidden``, ``feature_layers``), naming file and field.
     """
-    from ..draft import read_card
-    from .loop import Trainer
+    from dspine.drafter.checkpoint import read_card
+    from dspine.train.loop import Trainer
 
     ckpt = Path(ckpt)
     c = read_card(ckpt)  # ConfigError (a ValueError) when damaged or not an object
@@ -226,7 +226,7 @@ def write_model_card(ckpt: str | Path) -> Path:
 
 
 def _drafter_config(args, target):
-    from ..config import DSpineConfig, dflash_flags, engine_compatible_flags
+    from dspine.config import DSpineConfig, dflash_flags, engine_compatible_flags
 
     compat = getattr(args, "engine_compatible", False)
     if compat and args.mode != "dflash":
@@ -249,7 +249,7 @@ def _warm_start_fields(init_from, steps: int, wall: float) -> dict:
     """Card fields for a warm-started run: the parent card and cumulative steps/wall time."""
     if not init_from:
         return {}
-    from ..draft import read_card
+    from dspine.drafter.checkpoint import read_card
 
     parent = read_card(init_from)
     return {"init_from": str(init_from), "parent_steps": parent.get("steps"),
@@ -258,10 +258,10 @@ def _warm_start_fields(init_from, steps: int, wall: float) -> dict:
 
 
 def cmd_train(args) -> int:
-    from ..draft import save_drafter
-    from ..target import load_target
-    from ..guards import resolve_device
-    from .loop import TrainConfig, Trainer, init_distributed
+    from dspine.drafter.checkpoint import save_drafter
+    from dspine.target.adapter import load_target
+    from dspine.guards import resolve_device
+    from dspine.train.loop import TrainConfig, Trainer, init_distributed
 
     if args.engine_compatible and args.mode != "dflash":  # before loading anything
         _drafter_config(args, None)
@@ -279,7 +279,7 @@ def cmd_train(args) -> int:
     seqs = _training_seqs(args.data, target, args.max_len)
     cfg = _drafter_config(args, target)
     if args.feature_dtype == "auto":  # a feature store holds bfloat16 features
-        from ..tune.dtype import resolve_dtype
+        from dspine.tune.dtype import resolve_dtype
 
         args.feature_dtype = "bfloat16" if args.feature_store else resolve_dtype(
             "auto", target, args.batch_size, min(args.max_len, 128), False, progress=rank == 0)
@@ -300,7 +300,7 @@ def cmd_train(args) -> int:
 
     store = None
     if args.feature_store:
-        from .feature_store import FeatureStore
+        from dspine.train.feature_store import FeatureStore
 
         if tc.feature_dtype != "bfloat16":
             raise ValueError(f"--feature-store holds bfloat16 features; --feature-dtype {tc.feature_dtype} "
@@ -315,7 +315,7 @@ def cmd_train(args) -> int:
         final = out / "final"
         save_drafter(tr.model, final, dtype=torch.bfloat16)
         if tr.subset is not None:  # the ids the CE pushed: the candidate pass scores only these
-            from ..draft_vocab import coverage, save_draft_vocab
+            from dspine.drafter.vocab import coverage, save_draft_vocab
 
             sub = tr.subset.cpu()
             save_draft_vocab(final, sub, {"source": "dspine train --vocab-subset (the CE's token ids)",
@@ -368,7 +368,7 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
         ValueError: no usable sequence (names --data and --max-len), or a token id outside
             the target vocabulary (names the --data directory and row).
     """
-    from ..data.build import load_dataset
+    from dspine.data.build import load_dataset
 
     data = []
     V = target.vocab_size
@@ -385,7 +385,7 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
     if not seqs:
         raise ValueError(f"--data {data_dirs}: no usable sequences (need responses of >= 2 tokens)")
     if max_len is not None:
-        from .losses import fit_window
+        from dspine.train.losses import fit_window
 
         if max_len < 4:
             raise ValueError(f"--max-len {max_len} must be at least 4")
@@ -401,11 +401,11 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
 
 
 def cmd_train_features(args) -> int:
-    from ..target import load_target
-    from ..data.build import parse_shard
-    from .feature_store import build_feature_store
+    from dspine.target.adapter import load_target
+    from dspine.data.build import parse_shard
+    from dspine.train.feature_store import build_feature_store
 
-    from ..guards import resolve_device
+    from dspine.guards import resolve_device
 
     k, n = parse_shard(args.shard)
     if args.threads:
@@ -423,9 +423,9 @@ def cmd_train_features(args) -> int:
 
 
 def cmd_acceptance(args) -> int:
-    from ..draft import DrafterError, load_drafter, random_drafter
-    from ..target import load_target
-    from ..guards import resolve_device, validate_runtime
+    from dspine.drafter.checkpoint import DrafterError, load_drafter, random_drafter
+    from dspine.target.adapter import load_target
+    from dspine.guards import resolve_device, validate_runtime
 
     device = str(resolve_device(args.device))
     validate_runtime(None, None, dtype=args.dtype, device=device)  # as `generate`, before loading
@@ -437,8 +437,8 @@ def cmd_acceptance(args) -> int:
         if args.mode and args.mode != model.cfg.mode:
             raise DrafterError(f"--mode {args.mode} does not match drafter {args.drafter} "
                                f"(trained as {model.cfg.mode}); leave --mode out for a checkpoint")
-    from ..trees.tree import tree_spec_from_args
-    from ..runtime.select import apply_runtime
+    from dspine.trees.tree import tree_spec_from_args
+    from dspine.runtime.select import apply_runtime
 
     spec = tree_spec_from_args(args)
     if args.copy_bonus is not None and (args.proposer != "hybrid" or not model.cfg.final_stage):
@@ -447,7 +447,7 @@ def cmd_acceptance(args) -> int:
                                f"not {args.proposer}")
         print("dspine acceptance: note: --copy-bonus ignored: the DFlash-style drafter has no final stage "
               "to fuse copies into", file=sys.stderr, flush=True)
-    from ..draft_vocab import resolve
+    from dspine.drafter.vocab import resolve
 
     vocab = resolve(args.draft_vocab, None if args.drafter == "random" else args.drafter, model.cfg.vocab_size,
                     model.cfg.head_topk)
@@ -550,7 +550,7 @@ def add_train_parser(sub) -> None:
     a.add_argument("--copy-bonus", type=nonneg_float, default=None, metavar="B",
                    help="with --proposer hybrid: fuse copies into the DSpine final stage's chain (score bonus B)")
     add_tree_args(a)
-    from ..cli import add_draft_vocab_arg
+    from dspine.cli.main import add_draft_vocab_arg
 
     add_draft_vocab_arg(a)
     a.set_defaults(func=cmd_acceptance)

@@ -234,8 +234,8 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
             (an index pointing past the end of its shard file); a ``reuse`` store for
             other settings or without sequence hashes.
     """
-    from ..data.build import cpu_speed_patches
-    from .losses import collate
+    from dspine.data.build import cpu_speed_patches
+    from dspine.train.losses import collate
 
     if max_len < 4:
         raise ValueError(f"--max-len must be >= 4, got {max_len}")
@@ -285,7 +285,7 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
     todo.sort(key=lambda i: len(seqs[i][0]))  # similar lengths per batch: less padding
     copied = 0
     if compute_dtype == "auto" and todo:
-        from ..tune.dtype import resolve_dtype
+        from dspine.tune.dtype import resolve_dtype
 
         compute_dtype = resolve_dtype("auto", target, batch_size, min(max_len, 128), False, progress=progress)
     cdt = getattr(torch, compute_dtype) if compute_dtype != "auto" else target.dtype

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import DSpineConfig
-from ..draft import check_fits_target, save_drafter
-from ..draft_vocab import frequent_tokens  # noqa: F401 (re-exported for existing imports)
-from ..guards import resolve_device
-from ..model import DSpineDrafter
-from .losses import collate, cosine_lr, drafter_losses, sample_anchors, target_topk, weight_sum
+from dspine.config import DSpineConfig
+from dspine.drafter.checkpoint import check_fits_target, save_drafter
+from dspine.drafter.vocab import frequent_tokens  # noqa: F401 (re-exported for existing imports)
+from dspine.guards import resolve_device
+from dspine.drafter.model import DSpineDrafter
+from dspine.train.losses import collate, cosine_lr, drafter_losses, sample_anchors, target_topk, weight_sum
 
 # config fields a warm start (--init-from) may change: tensors are copied by name, the
 # new ones (q/k norms) start at their init, the dropped ones (row embedding) are listed
@@ -114,7 +114,7 @@ class Trainer:
     """Trains one drafter for one target.
 
     Args:
-        target: loaded :class:`dspine.target.Target` (features are computed online).
+        target: loaded :class:`dspine.target.adapter.Target` (features are computed online).
         drafter_cfg: the drafter's :class:`DSpineConfig` (must fit the target).
         seqs: list of (token ids, response start) training sequences.
         out_dir: checkpoints (``ckpt/``), ``metrics.jsonl`` and the final export.
@@ -200,7 +200,7 @@ class Trainer:
     def data_fingerprint(self) -> str:
         """sha256 of this run's training sequences (cached): ``--resume`` checks it."""
         if getattr(self, "_data_fp", None) is None:
-            from .feature_store import data_fingerprint
+            from dspine.train.feature_store import data_fingerprint
 
             self._data_fp = data_fingerprint(self.seqs, self.tc.max_len)
         return self._data_fp
@@ -299,7 +299,7 @@ class Trainer:
             DrafterError: unreadable checkpoint, or one whose config differs from this
                 run's (other mode, sizes, block size or feature layers).
         """
-        from ..draft import DrafterError, load_drafter
+        from dspine.drafter.checkpoint import DrafterError, load_drafter
 
         src = load_drafter(path, self.target, dtype=torch.float32, option="--init-from")
         diff = [k for k, v in asdict(self.cfg).items() if asdict(src.cfg).get(k) != v]
@@ -356,7 +356,7 @@ class Trainer:
         ``soft_topk`` the same forward's top-k next-token distribution per position is kept
         too (:attr:`last_soft`, ids [b, T, k] int32 and probs float16, on the device).
         """
-        from ..data.build import cpu_speed_patches
+        from dspine.data.build import cpu_speed_patches
 
         tc = self.tc
         fdt = getattr(torch, tc.feature_dtype)

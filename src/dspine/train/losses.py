@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as Fn
 
-from ..model import DSpineDrafter
+from dspine.drafter.model import DSpineDrafter
 
 
 @dataclass

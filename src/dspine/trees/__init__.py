@@ -9,8 +9,8 @@
   speculative sampling (recursive rejection over siblings, SpecInfer / EAGLE).
 
 The target forward over a flattened tree (tree attention mask, positions by depth) lives
-in :mod:`dspine.runtime.dense`; the cycle that ties them together in :mod:`dspine.engine`.
+in :mod:`dspine.runtime.dense`; the cycle that ties them together in :mod:`dspine.core.engine`.
 """
-from .tree import DraftTree, TreeSpec, parse_tree_shape
+from dspine.trees.tree import DraftTree, TreeSpec, parse_tree_shape
 
 __all__ = ["DraftTree", "TreeSpec", "parse_tree_shape"]

@@ -1,6 +1,6 @@
 """Draft trees from the final stage's candidate tables (spec section 4 tables).
 
-Inputs, as :func:`dspine.final_stage.conditional_tables` makes them for one block:
+Inputs, as :func:`dspine.drafter.final_stage.conditional_tables` makes them for one block:
 ``cand`` [n, K] int64, the K candidates of positions 1..n, and ``T`` [n, K, K] float32
 where ``T[i, j, v]`` scores candidate v of position i+1 given candidate j of position i
 (position 0 is the anchor: every j of ``T[0]`` is the same row). A tree node is a pair
@@ -23,9 +23,9 @@ from collections import deque
 
 import torch
 
-from ..config import SamplingConfig
-from ..sampling import filter_probs, sample_index, uniform
-from .tree import DraftTree, _check_widths
+from dspine.config import SamplingConfig
+from dspine.core.sampling import filter_probs, sample_index, uniform
+from dspine.trees.tree import DraftTree, _check_widths
 
 
 def _check(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -> None:
@@ -49,7 +49,7 @@ def static_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, widths: tuple[i
     Greedy (``sampling.greedy``): children are the row's top candidates, best first.
     Sampled: children drawn without replacement from the filtered row (one uniform of
     ``gen`` per child, in node order); a row with fewer nonzero entries than the width
-    gives fewer children. Widths all 1 reproduce :func:`dspine.final_stage.chain`'s
+    gives fewer children. Widths all 1 reproduce :func:`dspine.drafter.final_stage.chain`'s
     tokens, q and random draws exactly.
     """
     _check(T, cand, depth, budget)

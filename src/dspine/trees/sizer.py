@@ -19,7 +19,7 @@ of acceptance, so verified nodes are binned by ``p`` and each bin keeps a decaye
 nodes and of accepted ones, with a prior of ``prior_scale * p`` worth ``prior_weight`` nodes.
 
 Cost ``V(t)``: the measured cost curve of the verification policy (a target forward over
-1..16 tokens, :func:`dspine.policy.measure_cost`), extended linearly beyond its end with
+1..16 tokens, :func:`dspine.control.policy.measure_cost`), extended linearly beyond its end with
 the slope of its upper half, times the ratio of observed to predicted times of completed
 tree cycles (decayed), so the machine's load is followed.
 
@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .tree import DraftTree
+from dspine.trees.tree import DraftTree
 
 BIN_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0)
 
@@ -45,7 +45,7 @@ class TreeSizer:
 
     Args:
         verify_s: target forward seconds over t = 1, 2, ... tokens (``verify_s[t - 1]``,
-            e.g. :attr:`dspine.policy.CostCurve.verify_s`); at least one value.
+            e.g. :attr:`dspine.control.policy.CostCurve.verify_s`); at least one value.
         prior_scale, prior_weight: the calibration prior ``a(p) = prior_scale * p`` worth
             ``prior_weight`` nodes per bin.
         half_life: decay of the calibration counts and of the observed/predicted time

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 TREE_SHAPES = ("dynamic",)  # besides comma-separated widths such as "4,2,1"
-from ..argtypes import DEFAULT_TREE_SIZE, TREE_SIZES  # noqa: E402 (--tree-size)
-from ..argtypes import MAX_TREE_BUDGET  # noqa: E402 (the most nodes a tree may have)
+from dspine.argtypes import DEFAULT_TREE_SIZE, TREE_SIZES  # noqa: E402 (--tree-size)
+from dspine.argtypes import MAX_TREE_BUDGET  # noqa: E402 (the most nodes a tree may have)
 
 
 def _check_widths(widths) -> tuple[int, ...]:

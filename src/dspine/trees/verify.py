@@ -19,7 +19,7 @@ token-wise speculative sampling step with target r and proposal q_k, so by induc
 emitted token is distributed as p whatever the q_k are, as long as each is exactly the
 distribution its child was drawn from given the earlier draws (the tree builders record
 that: :mod:`.build`). Uniforms: float64 draws of ``gen``, one per examined child, then one
-for the correction or bonus (a chain consumes them like :func:`dspine.verify.verify_sampling`
+for the correction or bonus (a chain consumes them like :func:`dspine.core.verify.verify_sampling`
 and reaches the same decisions).
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SamplingConfig
-from ..sampling import filter_probs, sample_index, uniform
-from .tree import DraftTree
+from dspine.config import SamplingConfig
+from dspine.core.sampling import filter_probs, sample_index, uniform
+from dspine.trees.tree import DraftTree
 
 
 @dataclass

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from . import store
-from .conditions import MAX_SPREAD, LoadMeter, conditions, remeasure, spread_of
+from dspine.tune import store
+from dspine.tune.conditions import MAX_SPREAD, LoadMeter, conditions, remeasure, spread_of
 
 
 @dataclass

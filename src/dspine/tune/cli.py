@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..argtypes import positive_int, thread_count
+from dspine.argtypes import positive_int, thread_count
 
 
 def _fmt(times: dict) -> str:
@@ -23,9 +23,9 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
     """``dspine tune --show``: what this machine's cache holds, measured when and under what
     load, and which entries are provisional or stale (re-measured by the next quiet run).
     Loads no model and measures nothing."""
-    from . import store
-    from .conditions import untrusted_reason
-    from .machine import describe
+    from dspine.tune import store
+    from dspine.tune.conditions import untrusted_reason
+    from dspine.tune.machine import describe
 
     data = store.load(device)
     entries = data.get("entries", {})
@@ -60,13 +60,13 @@ def cmd_tune(args) -> int:
     if args.show:
         return show(args.device, args.json)
 
-    from ..cli import build_engine
-    from ..policy import measure_cost
-    from . import store
-    from .choose import choose_fastest
-    from .dtype import choose_forward_dtype
-    from .head import plan_candidate_pass
-    from .machine import describe, machine_info
+    from dspine.cli.main import build_engine
+    from dspine.control.policy import measure_cost
+    from dspine.tune import store
+    from dspine.tune.choose import choose_fastest
+    from dspine.tune.dtype import choose_forward_dtype
+    from dspine.tune.head import plan_candidate_pass
+    from dspine.tune.machine import describe, machine_info
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,7 +81,7 @@ def cmd_tune(args) -> int:
                                head_kernel="exact")  # measured below, where the table shows it
 
     prop = eng.proposer
-    from ..runtime.packed import apply_linear_backend, choose_linear_backend
+    from dspine.runtime.packed import apply_linear_backend, choose_linear_backend
 
     report["target_runtime"] = target.runtime_name  # build_engine's --runtime auto (dspine.runtime.select)
     say(f"\ntarget runtime (--runtime auto): {target.runtime_name}"
@@ -91,7 +91,7 @@ def cmd_tune(args) -> int:
     report["linear_backend"] = lb.to_dict()
     say("\ntarget linear layers (one-token step + 16-token verification; --linear-backend auto):")
     say(f"  -> {lb.chosen:<9} ({_fmt(lb.times_ms) or lb.reason}){' [cached]' if lb.cached else ''}")
-    from ..runtime.blockq import unavailable_reason
+    from dspine.runtime.blockq import unavailable_reason
 
     if "blockq" not in (lb.times_ms or {}):  # say why the exact-block kernels were not measured
         why = unavailable_reason() or ("this target's weights are not exact Q4_1/Q8_0 blocks (only targets "
@@ -100,7 +100,7 @@ def cmd_tune(args) -> int:
         say(f"  (blockq not offered: {why})")
     rt = getattr(target, "runtime", None)
     if rt is not None and hasattr(rt, "decode_path"):  # dspine.runtime.lean: few-row forwards in one C++ call
-        from ..runtime.lean import lean_support
+        from dspine.runtime.lean import lean_support
 
         plan = rt.lean_plan()
         report["decode_path"] = rt.decode_path
@@ -125,7 +125,7 @@ def cmd_tune(args) -> int:
             report["drafter_linears"] = c.to_dict()
             say(f"  -> {c.chosen:<9} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
         else:
-            from .drafter import q8_unavailable
+            from dspine.tune.drafter import q8_unavailable
 
             report["drafter_linears"] = {"chosen": prop.linears}
             say(f"  -> {prop.linears:<9} (q8 not offered: {q8_unavailable(prop.drafter) or 'forced'})")

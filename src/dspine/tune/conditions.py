@@ -10,7 +10,7 @@ cores busy, or whose repeats disagree by more than :data:`MAX_SPREAD`, is *provi
 it is used, but re-measured by the first later run that finds the machine quiet (so is an
 entry without recorded conditions, from an older cache). An entry
 is *stale* when decoding observed cycle times far from it
-(:class:`dspine.policy.CostModelPolicy`); it too is re-measured by the next quiet run.
+(:class:`dspine.control.policy.CostModelPolicy`); it too is re-measured by the next quiet run.
 ``dspine tune --show`` prints all of this.
 """
 from __future__ import annotations

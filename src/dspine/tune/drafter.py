@@ -18,7 +18,7 @@ import copy
 import torch
 from torch import nn
 
-from .choose import Choice, choose_fastest
+from dspine.tune.choose import Choice, choose_fastest
 
 DRAFTER_LINEARS = ("float32", "q8")
 
@@ -32,7 +32,7 @@ def q8_round(w: torch.Tensor) -> torch.Tensor:
 
 def q8_unavailable(drafter) -> str | None:
     """None when :func:`quantize_drafter` can run ``drafter`` here, else why not."""
-    from ..runtime import blockq
+    from dspine.runtime import blockq
 
     p = drafter.fc.weight
     if p.dtype != torch.float32 or p.device.type != "cpu":
@@ -51,7 +51,7 @@ def quantize_drafter(drafter):
     Raises:
         ValueError: :func:`q8_unavailable` found a reason (naming ``--drafter-linears q8``).
     """
-    from ..runtime import blockq
+    from dspine.runtime import blockq
 
     why = q8_unavailable(drafter)
     if why is not None:
@@ -67,7 +67,7 @@ def quantize_drafter(drafter):
                 blocks = blockq.pack_q8(ch.weight.data)
                 if blocks is not None:
                     setattr(mod, name, blockq.BlockQLinear(ch, blocks, rows=blockq.MAX_ROWS))
-    from ..runtime.lean_drafter import LeanDrafter, lean_drafter_support
+    from dspine.runtime.lean_drafter import LeanDrafter, lean_drafter_support
 
     # one request's block forward in one C++ call where it runs (dspine.runtime.lean_drafter)
     object.__setattr__(out, "_lean", LeanDrafter(out) if lean_drafter_support(out) is None else None)
@@ -91,7 +91,7 @@ def _forward(drafter, rows: int = 4, context: int = 64):
     apos = torch.tensor([[context]])
     valid = torch.ones(1, context, dtype=torch.bool)
 
-    from ..runtime.lean_drafter import block_forward
+    from dspine.runtime.lean_drafter import block_forward
 
     forward = block_forward(drafter)
 
@@ -119,7 +119,7 @@ def plan_drafter_linears(drafter, kind: str = "auto", *, redo: bool = False, tim
         return quantize_drafter(drafter), None
     if q8_unavailable(drafter) is not None:
         return drafter, None
-    from ..runtime.blockq import source_version
+    from dspine.runtime.blockq import source_version
 
     q8 = quantize_drafter(drafter)
     cfg = drafter.cfg

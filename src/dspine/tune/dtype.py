@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from .choose import Choice, choose_fastest
+from dspine.tune.choose import Choice, choose_fastest
 
 FORWARD_DTYPES = ("float32", "bfloat16")
 
@@ -23,7 +23,7 @@ FORWARD_DTYPES = ("float32", "bfloat16")
 def _alternative(model, dtype: torch.dtype, ids: torch.Tensor, decode: bool):
     """A zero-argument callable running one batched forward of ``model`` in ``dtype``:
     a decode step after a prefill of ``ids`` (``decode``) or a full teacher-forced forward."""
-    from ..data.generate import cpu_speed_patches
+    from dspine.data.generate import cpu_speed_patches
 
     m = model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype)
     if decode:
@@ -58,7 +58,7 @@ def _alternative(model, dtype: torch.dtype, ids: torch.Tensor, decode: bool):
 def choose_forward_dtype(target, batch: int, length: int, decode: bool, *, redo: bool = False,
                          timer=None, progress: bool = True) -> Choice:
     """The faster of float32 / bfloat16 for a batched forward of ``target`` (a loaded
-    :class:`dspine.target.Target`, any dtype): ``batch`` rows of ``length`` tokens,
+    :class:`dspine.target.adapter.Target`, any dtype): ``batch`` rows of ``length`` tokens,
     either a decode step after a ``length``-token prefill (``decode``, data generation)
     or a teacher-forced forward (feature extraction). CUDA always takes bfloat16 (its
     tensor cores; not measured). The target is left as it was; a temporary copy in the
@@ -71,14 +71,14 @@ def choose_forward_dtype(target, batch: int, length: int, decode: bool, *, redo:
            f"h={getattr(cfg, 'hidden_size', '?')},layers={getattr(cfg, 'num_hidden_layers', '?')},"
            f"b={batch},L={length}")
     if not redo:
-        from .choose import cached_choice
+        from dspine.tune.choose import cached_choice
 
         hit = cached_choice(key, FORWARD_DTYPES)
         if hit is not None:
             return hit
     V = target.vocab_size
     ids = (torch.arange(batch * length).view(batch, length) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)
-    from ..runtime.packed import set_linear_backend
+    from dspine.runtime.packed import set_linear_backend
 
     backend = getattr(target, "linear_backend", "aten")  # batched work runs PyTorch's linears; packed
     repack = backend != "aten"                            # weights cannot be copied

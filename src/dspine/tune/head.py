@@ -8,7 +8,7 @@ and ~30-60x slower than float32 on AVX2-only CPUs, and a bfloat16 GEMV beats flo
 there while a bfloat16 GEMM of 15 rows does not. So the kernel is chosen by measurement,
 per bucket of row counts, among:
 
-- ``int8``: :class:`dspine.final_stage.QuantizedHead` (row-scaled int8 copy, V*d bytes;
+- ``int8``: :class:`dspine.drafter.final_stage.QuantizedHead` (row-scaled int8 copy, V*d bytes;
   FP8 on CUDA);
 - ``bfloat16``: a bfloat16 copy of H (2*V*d bytes), scores in bfloat16;
 - ``exact``: H itself in the drafter's dtype (no copy);
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..final_stage import QuantizedHead
-from .choose import Choice, choose_fastest
+from dspine.drafter.final_stage import QuantizedHead
+from dspine.tune.choose import Choice, choose_fastest
 
 #: Measured in this order (the exact head first: it is never pathological, so a kernel
 #: whose first call is many times slower is cut off early, :func:`choose_fastest`).
@@ -75,7 +75,7 @@ class BlockQHead:
     """
 
     def __init__(self, head: torch.Tensor):
-        from ..runtime import blockq
+        from dspine.runtime import blockq
 
         why = blockq_head_unavailable(head)
         if why is not None:
@@ -97,7 +97,7 @@ class BlockQHead:
 
 def blockq_head_unavailable(head: torch.Tensor) -> str | None:
     """None when :class:`BlockQHead` can score with ``head`` [V, d], else why not."""
-    from ..runtime import blockq
+    from dspine.runtime import blockq
 
     if head.dtype != torch.float32 or head.device.type != "cpu":
         return "the head is not a float32 CPU tensor"
@@ -134,7 +134,7 @@ class CandidatePass:
     ``plan``: bucket -> kernel name; ``kernels``: name -> kernel object (only those the
     plan uses are kept, so an int8 copy that is never chosen costs no memory).
     ``choices``: the :class:`Choice` of each bucket (empty when the kernel was forced).
-    ``ids``: the draft vocabulary [Vs] int64 (:mod:`dspine.draft_vocab`) when ``head`` holds
+    ``ids``: the draft vocabulary [Vs] int64 (:mod:`dspine.drafter.vocab`) when ``head`` holds
     only those rows of the target's head (column j of :meth:`scores` is token ``ids[j]``),
     else None (column j is token j).
     """
@@ -177,7 +177,7 @@ def plan_candidate_pass(head: torch.Tensor, x_dtype: torch.dtype, kernel: str = 
 
     ``kernel``: ``auto`` (measure per row bucket, cached per machine and shapes) or one
     of :data:`HEAD_KERNELS` (forced for every bucket). ``ids``: a draft vocabulary [Vs]
-    int64 (sorted target ids, :mod:`dspine.draft_vocab`): the pass then scores only those
+    int64 (sorted target ids, :mod:`dspine.drafter.vocab`): the pass then scores only those
     rows of ``head`` (a copy of Vs rows) and :attr:`CandidatePass.ids` maps its columns
     back. ``timer`` is injected by tests.
     Raises:
@@ -205,7 +205,7 @@ def plan_candidate_pass(head: torch.Tensor, x_dtype: torch.dtype, kernel: str = 
         alts = {n: (lambda k=built[n], x=x: run(k, x)) for n in names}
         key = f"head:V={V},d={d},x={str(x_dtype).replace('torch.', '')},dev={head.device.type},m={b}"
         if "blockq" in names:
-            from ..runtime.blockq import source_version
+            from dspine.runtime.blockq import source_version
 
             key += f",blockq={source_version()}"
         choices[b] = choose_fastest(key, alts, timer=timer, redo=redo, progress=progress,

@@ -13,7 +13,7 @@ import os
 import threading
 from pathlib import Path
 
-from .machine import machine_info, machine_key
+from dspine.tune.machine import machine_info, machine_key
 
 _LOCK = threading.Lock()
 _MEMORY: dict[str, dict] = {}  # path -> entries, when the disk cache is off
@@ -39,7 +39,7 @@ def _note(msg: str) -> None:
 def path(device="cpu") -> Path:
     """The cache file of this machine (not created). Raises OSError / ValueError when
     ``$DSPINE_HOME`` cannot be created."""
-    from ..assets import dspine_home
+    from dspine.target.assets import dspine_home
 
     return dspine_home() / "tune" / f"{machine_key(device)}.json"
 
@@ -112,7 +112,7 @@ _FIRST_NOTED: set[str] = set()
 def first_use_note(device="cpu") -> None:
     """Once per process, when this machine has no measurement cached yet: say on stderr
     what the first run does and about how long it takes."""
-    from .machine import describe
+    from dspine.tune.machine import describe
 
     if str(device) in _FIRST_NOTED:
         return

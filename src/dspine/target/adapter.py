@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .target_cache import TargetCache  # noqa: F401 (re-export: the cache of a Target)
-from .targets import DEFAULT_TARGET, TargetError, resolve_target
+from dspine.target.cache import TargetCache  # noqa: F401 (re-export: the cache of a Target)
+from dspine.target.registry import DEFAULT_TARGET, TargetError, resolve_target
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,12 +70,12 @@ def build_random_model(arch: str, vocab_size: int = 256, seed: int = 0, **overri
     """A tiny random-weight causal LM of transformers architecture ``arch`` (seeded).
 
     Raises:
-        TargetError: the architecture is unknown here (hybrids live in ``dspine.hybrid``).
+        TargetError: the architecture is unknown here (hybrids live in ``dspine.target.replay_ssm``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch in ("qwen3_5", "qwen3_next"):
-        from .hybrid import build_random_hybrid  # hybrid targets, spec section 6
+        from dspine.target.replay_ssm import build_random_hybrid  # hybrid targets, spec section 6
         return build_random_hybrid(arch, vocab_size=vocab_size, seed=seed, **overrides)
     if arch not in _RANDOM_ARCHS:
         raise TargetError(f"unknown random target architecture {arch!r}; known: "
@@ -124,7 +124,7 @@ class Target:
         self.name = name
         self.path = path
         cfg = model.config
-        from .hybrid import hybrid_family  # refuses unknown hybrids / non-fp32 recurrent state
+        from dspine.target.replay_ssm import hybrid_family  # refuses unknown hybrids / non-fp32 recurrent state
         self.hybrid: str | None = hybrid_family(cfg)  # None (dense), "qwen3_5" or "qwen3_next"
         self.config = getattr(cfg, "text_config", None) or cfg
         self.hidden_size: int = self.config.hidden_size
@@ -155,7 +155,7 @@ class Target:
         if name == "hf":
             self.runtime = None
         elif name == "dense":
-            from .runtime.dense import DenseRuntime
+            from dspine.runtime.dense import DenseRuntime
             self.runtime = DenseRuntime(self.model)
         else:
             raise ValueError(f"--runtime {name!r} is unknown; accepted: auto, hf, dense")
@@ -181,9 +181,9 @@ class Target:
 
     # -- forward ------------------------------------------------------------------------
     def new_cache(self) -> TargetCache:
-        """An empty cache for one request (:class:`dspine.hybrid.ReplayCache` for hybrid targets)."""
+        """An empty cache for one request (:class:`dspine.target.replay_ssm.ReplayCache` for hybrid targets)."""
         if self.hybrid is not None:
-            from .hybrid import ReplayCache
+            from dspine.target.replay_ssm import ReplayCache
             return ReplayCache(self.model)
         if self.runtime is not None:
             return self.runtime.new_cache()
@@ -247,7 +247,7 @@ class Target:
 
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32",
                 device: str = "cpu", vocab_size: int = 256, seed: int = 0, **random_overrides) -> Target:
-    """Load a target by name, path or ``random:<arch>`` (see :mod:`dspine.targets`).
+    """Load a target by name, path or ``random:<arch>`` (see :mod:`dspine.target.registry`).
 
     Args:
         dtype: ``float32`` (exactness tests) or ``bfloat16``.

@@ -18,14 +18,14 @@ from typing import Callable
 
 import torch
 
-from .config import SamplingConfig
-from .core.stopping import StopDetector
-from .proposers.base import Plan, Proposal, Proposer
-from .sampling import filter_probs, make_generator, sample_index, sample_token, uniform
-from .target import Target, TargetCache
-from .trees.tree import TreeSpec
-from .trees.verify import verify_tree
-from .verify import Verdict, verify
+from dspine.config import SamplingConfig
+from dspine.core.stopping import StopDetector
+from dspine.proposers.base import Plan, Proposal, Proposer
+from dspine.core.sampling import filter_probs, make_generator, sample_index, sample_token, uniform
+from dspine.target.adapter import Target, TargetCache
+from dspine.trees.tree import TreeSpec
+from dspine.trees.verify import verify_tree
+from dspine.core.verify import Verdict, verify
 
 MODES = ("ar", "dflash", "dspine")
 #: labels an Engine accepts: the modes, and ``ngram`` (copies only, no drafter: the bench's own
@@ -210,12 +210,12 @@ class Engine:
         self.tree_sizer = None
         curve = getattr(verify_policy, "cost", None)
         if self.tree.enabled and self.tree.size == "cost" and curve is not None:
-            from .trees.sizer import TreeSizer
+            from dspine.trees.sizer import TreeSizer
             self.tree_sizer = TreeSizer(curve.verify_s)
         # ... and whether a drafting cycle drafts a tree or a chain, by their measured rates
         self.tree_gate = None
         if self.tree_sizer is not None:
-            from .trees.gate import TreeGate
+            from dspine.trees.gate import TreeGate
             self.tree_gate = TreeGate()
         # target feature layers the proposer reads; None (no capture) for ``ar`` and for
         # proposers without features (oracles in tests), which then get [n, 0] features

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .assets import AssetError, WHEELS, WheelPin, dspine_home, extract_member, sha256_file
+from dspine.target.assets import AssetError, WHEELS, WheelPin, dspine_home, extract_member, sha256_file
 
 DEFAULT_TARGET = "smollm2-135m"
 

@@ -1,6 +1,6 @@
 """The engine of a drafter mode, put together as ``dspine generate`` does.
 
-``generate`` and ``serve`` (:func:`dspine.cli.build_engine`) and ``bench``
+``generate`` and ``serve`` (:func:`dspine.cli.main.build_engine`) and ``bench``
 (:class:`dspine.bench.runners.EngineRunner`) all build theirs here, so that a benchmark
 times what users run: the drafter's measured linears, draft vocabulary and candidate-pass
 kernel, the proposer, and the verification policy and draft tree given to the engine when
@@ -14,16 +14,16 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
                    drafter_linears: str = "auto", draft_vocab: str = "auto", ngram_max: int = 4,
                    ngram_min: int = 1, ngram_cache_tokens: int = 0, copy_bonus: float | None = None,
                    progress: bool = False, persist: bool = False):
-    """An :class:`~dspine.engine.Engine` for ``mode`` (``dflash`` / ``dspine``) over
+    """An :class:`~dspine.core.engine.Engine` for ``mode`` (``dflash`` / ``dspine``) over
     ``target`` with the loaded drafter ``model`` (from ``drafter_path``, a checkpoint
     directory, or None / ``random`` for an untrained one).
 
     ``proposer``: :data:`dspine.proposers.PROPOSERS`; ``verify_policy``: ``fixed`` or
-    ``cost`` (:func:`dspine.policy.make_policy`, which measures the cost curve once per
+    ``cost`` (:func:`dspine.control.policy.make_policy`, which measures the cost curve once per
     machine; ``progress`` says so on stderr, ``persist`` starts from the saved acceptance
     profile); ``tree``: a :class:`dspine.trees.TreeSpec` or None (chains);
     ``head_kernel`` / ``drafter_linears`` / ``draft_vocab``: see
-    :class:`dspine.proposers.drafter.DrafterProposer` and :mod:`dspine.draft_vocab`;
+    :class:`dspine.proposers.drafter.DrafterProposer` and :mod:`dspine.drafter.vocab`;
     ``ngram_*`` / ``copy_bonus``: :func:`dspine.proposers.make_proposer`.
 
     Raises:
@@ -31,11 +31,11 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
     """
     import torch
 
-    from .draft_vocab import DraftVocabError, resolve as resolve_vocab
-    from .engine import Engine, EngineError
-    from .policy import make_policy
-    from .proposers import make_proposer
-    from .proposers.drafter import DrafterProposer
+    from dspine.drafter.vocab import DraftVocabError, resolve as resolve_vocab
+    from dspine.core.engine import Engine, EngineError
+    from dspine.control.policy import make_policy
+    from dspine.proposers import make_proposer
+    from dspine.proposers.drafter import DrafterProposer
 
     path = None if drafter_path in (None, "random") else drafter_path
     with torch.no_grad():

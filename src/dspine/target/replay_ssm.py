@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .target_cache import TargetCache
-from .targets import TargetError
+from dspine.target.cache import TargetCache
+from dspine.target.registry import TargetError
 
 #: model_type -> adapter family. Only these hybrid architectures are validated.
 KNOWN_HYBRIDS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}
@@ -276,7 +276,7 @@ class _LinState:
 class ReplayCache(TargetCache):
     """Rollback-able cache of a hybrid target (ReplaySSM, spec section 6).
 
-    Same contract as :class:`dspine.target.TargetCache` (``kv``, ``length``,
+    Same contract as :class:`dspine.target.adapter.TargetCache` (``kv``, ``length``,
     :meth:`seq_length`, :meth:`rollback`, :meth:`nbytes`), except that ``rollback``
     may only cut positions added since the last rollback (the pending ones).
 

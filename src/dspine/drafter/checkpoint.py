@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, DSpineConfig
-from .model import DSpineDrafter
+from dspine.config import ConfigError, DSpineConfig
+from dspine.drafter.model import DSpineDrafter
 
 
 class DrafterError(ValueError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingConfig
+from dspine.config import SamplingConfig
 
 
 def filter_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The target's KV cache with commit/rollback by length (spec section 6).
 
-Its own module so that cache variants (:mod:`dspine.hybrid`'s replay cache for
-Gated-DeltaNet targets) build on it without importing :mod:`dspine.target`, which
+Its own module so that cache variants (:mod:`dspine.target.replay_ssm`'s replay cache for
+Gated-DeltaNet targets) build on it without importing :mod:`dspine.target.adapter`, which
 loads them.
 """
 from __future__ import annotations

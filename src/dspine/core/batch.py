@@ -1,6 +1,6 @@
 """Batched speculative decoding over many requests (continuous batching).
 
-:class:`BatchEngine` wraps an :class:`~dspine.engine.Engine` and advances every
+:class:`BatchEngine` wraps an :class:`~dspine.core.engine.Engine` and advances every
 running request by one draft -> verify -> commit cycle per :meth:`BatchEngine.step`,
 verifying all of them in **one** target forward although their accepted lengths are
 ragged.
@@ -20,7 +20,7 @@ forward reads views of the buffers, not copies. Buffers grow by doubling and are
 freed when the batch empties.
 
 On the lean decode path (a dense-runtime target on the blockq kernels) the forward is
-instead every request's own inputs packed without padding (:mod:`dspine.batch_lean`), and
+instead every request's own inputs packed without padding (:mod:`dspine.core.batch_lean`), and
 a request may verify a **draft tree** (the engine's tree budget): its nodes
 write columns ``L_i + 1..``, sit at their depths and see their ancestors; after
 verification the accepted path's K/V move to consecutive columns
@@ -44,15 +44,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_lean import Inputs, lean_forward
-from .batch_policy import BatchCostPolicy
-from .config import SamplingConfig
-from .engine import CycleRecord, Engine, EngineError, GenerationResult, Request, _observe
-from .policy import CostModelPolicy, PerSourcePolicy
-from .proposers.base import Proposal
-from .sampling import sample_token
-from .trees.verify import verify_tree
-from .verify import Verdict, verify
+from dspine.core.batch_lean import Inputs, lean_forward
+from dspine.control.batch_policy import BatchCostPolicy
+from dspine.config import SamplingConfig
+from dspine.core.engine import CycleRecord, Engine, EngineError, GenerationResult, Request, _observe
+from dspine.control.policy import CostModelPolicy, PerSourcePolicy
+from dspine.proposers.base import Proposal
+from dspine.core.sampling import sample_token
+from dspine.trees.verify import verify_tree
+from dspine.core.verify import Verdict, verify
 
 MAX_RUNNING_VALIDATED = 8  # spec section 8: at most 8 concurrent requests
 
@@ -267,7 +267,7 @@ class BatchEngine:
 
     Args:
         engine: the single-request engine (target, proposer, mode, verify policy; a
-            ``cost`` policy chooses one n per batched cycle, :mod:`dspine.batch_policy`).
+            ``cost`` policy chooses one n per batched cycle, :mod:`dspine.control.batch_policy`).
         max_running: running requests at most (1..8; the validated limit is 8).
         batch_draft: run the drafter once for all requests (padded context K/V) instead
             of once per request; proposals are the same up to float rounding.
@@ -512,7 +512,7 @@ class BatchEngine:
         return plan
 
     def _lean_forward(self, plan, inputs: list[Inputs], starts: list[int], fl):
-        """The batched forward on the lean path (:func:`dspine.batch_lean.lean_forward`)."""
+        """The batched forward on the lean path (:func:`dspine.core.batch_lean.lean_forward`)."""
         return lean_forward(self.target, plan, self.kv, inputs, starts, fl)
 
     def _batch_policy(self) -> BatchCostPolicy | None:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import (DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_int,
+from dspine.argtypes import (DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_int,
                        seed_int, thread_count)
 
 DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
@@ -44,7 +44,7 @@ def add_target_runtime_args(p: argparse.ArgumentParser, default: str | None = "a
 
 def add_target_weights_arg(p: argparse.ArgumentParser) -> None:
     """``--target-weights`` of ``generate`` and ``serve`` (:mod:`dspine.runtime.weights`)."""
-    from .runtime.weights import TARGET_WEIGHTS
+    from dspine.runtime.weights import TARGET_WEIGHTS
 
     p.add_argument("--target-weights", default="as-is", choices=TARGET_WEIGHTS,
                    help="as-is (default) | q8_0: round the target's linear layers to 8-bit Q8_0 blocks "
@@ -89,7 +89,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 
     ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
     the shipped default of the target and mode. ``verify_policy``: ``fixed`` or
-    ``cost`` (:mod:`dspine.policy`). ``head_kernel``: the drafter's candidate-pass kernel,
+    ``cost`` (:mod:`dspine.control.policy`). ``head_kernel``: the drafter's candidate-pass kernel,
     ``auto`` (measured on this machine, cached) or int8 / bfloat16 / exact / blockq
     (:mod:`dspine.tune.head`). ``progress``: say on stderr when a one-time measurement
     runs. ``linear_backend``: the target's linear layers, ``aten`` (PyTorch's default),
@@ -107,10 +107,10 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     ``drafter_linears``: the drafter's own linears, ``auto`` (measured), ``float32`` or ``q8``
     (:mod:`dspine.tune.drafter`; the output stays the target's either way). ``draft_vocab``:
     ``auto`` (the checkpoint's ``draft_vocab.json`` when it has one), ``full`` or ``subset``
-    (:mod:`dspine.draft_vocab`). ``target_weights``: ``as-is`` or ``q8_0`` (the target's linears
+    (:mod:`dspine.drafter.vocab`). ``target_weights``: ``as-is`` or ``q8_0`` (the target's linears
     rounded to Q8_0 blocks, :mod:`dspine.runtime.weights`; output then exact for that quantized
     target). ``persist``: the cost policy starts from (and can save) the acceptance profile of
-    earlier runs on this machine (:func:`dspine.policy.make_policy`). Settings the
+    earlier runs on this machine (:func:`dspine.control.policy.make_policy`). Settings the
     runtime has not validated are refused
     before anything is loaded, and again against the loaded target/drafter
     (:func:`dspine.guards.validate_runtime`).
@@ -120,29 +120,29 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
     """
     import torch
 
-    from .draft import load_drafter, random_drafter
-    from .engine import MODES, Engine, EngineError
-    from .guards import resolve_device, validate_runtime
-    from .policy import make_policy
-    from .target import load_target, parse_dtype
+    from dspine.drafter.checkpoint import load_drafter, random_drafter
+    from dspine.core.engine import MODES, Engine, EngineError
+    from dspine.guards import resolve_device, validate_runtime
+    from dspine.control.policy import make_policy
+    from dspine.target.adapter import load_target, parse_dtype
 
-    from .proposers import PROPOSERS, make_proposer
+    from dspine.proposers import PROPOSERS, make_proposer
 
     if mode not in MODES:
         raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
-    from .draft_vocab import CHOICES as VOCAB_CHOICES
+    from dspine.drafter.vocab import CHOICES as VOCAB_CHOICES
 
     if draft_vocab not in VOCAB_CHOICES:
         raise EngineError(f"--draft-vocab {draft_vocab!r} is unknown; accepted: {', '.join(VOCAB_CHOICES)}")
     if proposer not in PROPOSERS:
         raise EngineError(f"--proposer {proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
-    from .proposers.ngram import NgramIndex
+    from dspine.proposers.ngram import NgramIndex
 
     if not 1 <= ngram_max <= NgramIndex.MAX_NGRAM:
         raise EngineError(f"--ngram-max {ngram_max} must be in 1..{NgramIndex.MAX_NGRAM}")
     if not 1 <= ngram_min <= ngram_max:
         raise EngineError(f"--ngram-min {ngram_min} must be in 1..--ngram-max ({ngram_max})")
-    from .proposers import check_copy_settings
+    from dspine.proposers import check_copy_settings
 
     try:
         check_copy_settings(proposer, mode, ngram_cache_tokens, ngram_max, copy_bonus)
@@ -152,22 +152,22 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
         device = str(resolve_device("auto"))
     validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,
                      verify_policy=verify_policy)  # settings alone, before loading anything
-    from .tune.head import HEAD_KERNELS
+    from dspine.tune.head import HEAD_KERNELS
 
     if head_kernel not in ("auto", *HEAD_KERNELS):
         raise EngineError(f"--head-kernel {head_kernel!r} is unknown; accepted: auto, {', '.join(HEAD_KERNELS)}")
     dt = parse_dtype(dtype)
     guard = dict(dtype=dt, device=device, concurrency=concurrency, verify_policy=verify_policy)
-    from .runtime.packed import LINEAR_BACKENDS, apply_linear_backend
+    from dspine.runtime.packed import LINEAR_BACKENDS, apply_linear_backend
 
     if linear_backend not in ("auto", *LINEAR_BACKENDS):
         raise EngineError(f"--linear-backend {linear_backend!r} is unknown; accepted: auto, "
                           f"{', '.join(LINEAR_BACKENDS)}")
-    from .runtime.select import RUNTIMES, apply_runtime
+    from dspine.runtime.select import RUNTIMES, apply_runtime
 
     if runtime not in ("auto", *RUNTIMES):
         raise EngineError(f"--runtime {runtime!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")
-    from .runtime.weights import TARGET_WEIGHTS, quantize_target
+    from dspine.runtime.weights import TARGET_WEIGHTS, quantize_target
 
     if target_weights not in TARGET_WEIGHTS:
         raise EngineError(f"--target-weights {target_weights!r} is unknown; accepted: {', '.join(TARGET_WEIGHTS)}")
@@ -209,7 +209,7 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
                               f"(trained as {model.cfg.mode})")
     validate_runtime(target, model.cfg, block_size=block_size, **guard)
     set_up_target()
-    from .engine_setup import drafter_engine
+    from dspine.cli.engine_setup import drafter_engine
 
     return target, drafter_engine(target, model, drafter, mode, proposer=proposer, verify_policy=verify_policy,
                                   tree=tree, head_kernel=head_kernel, drafter_linears=drafter_linears,
@@ -219,9 +219,9 @@ def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = 
 
 
 def add_draft_vocab_arg(p, default: str | None = "auto") -> None:
-    """``--draft-vocab`` (generate, serve, bench, acceptance; :mod:`dspine.draft_vocab`);
+    """``--draft-vocab`` (generate, serve, bench, acceptance; :mod:`dspine.drafter.vocab`);
     ``default`` None lets the caller fill in its config's default (bench)."""
-    from .draft_vocab import CHOICES
+    from dspine.drafter.vocab import CHOICES
 
     p.add_argument("--draft-vocab", default=default, choices=CHOICES,
                    help="tokens the drafter's candidate pass scores: auto (the checkpoint's draft_vocab.json, "
@@ -232,7 +232,7 @@ def add_draft_vocab_arg(p, default: str | None = "auto") -> None:
 
 def add_drafter_kernel_args(p, default: str | None = "auto") -> None:
     """``--drafter-linears``, ``--draft-vocab`` and ``--head-kernel``: how the drafter runs
-    (generate, serve, bench; :mod:`dspine.tune.drafter`, :mod:`dspine.draft_vocab`,
+    (generate, serve, bench; :mod:`dspine.tune.drafter`, :mod:`dspine.drafter.vocab`,
     :mod:`dspine.tune.head`). None as ``default``: the caller's config fills it in."""
     p.add_argument("--drafter-linears", default=default, choices=("auto", "float32", "q8"),
                    help="the drafter's own linear layers: auto (the default: measured on this machine, cached) | "
@@ -246,13 +246,13 @@ def add_drafter_kernel_args(p, default: str | None = "auto") -> None:
 
 
 def _tree_spec(args):
-    from .trees.tree import tree_spec_from_args
+    from dspine.trees.tree import tree_spec_from_args
 
     return tree_spec_from_args(args)
 
 
 def cmd_generate(args) -> int:
-    from .config import SamplingConfig
+    from dspine.config import SamplingConfig
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)  # validated before anything loads
@@ -420,7 +420,7 @@ def _optional_parsers(sub) -> None:
 
     for mod, fn in (("dspine.data.cli", "add_data_parser"), ("dspine.train.cli", "add_train_parser"),
                     ("dspine.bench.cli", "add_bench_parser"), ("dspine.serve.cli", "add_serve_parser"),
-                    ("dspine.memory", "add_memory_parser"), ("dspine.tune.cli", "add_tune_parser"),
+                    ("dspine.drafter.memory", "add_memory_parser"), ("dspine.tune.cli", "add_tune_parser"),
                     ("dspine.export.cli", "add_export_parser")):
         try:
             m = importlib.import_module(mod)
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
 
-    from . import __version__
+    from dspine import __version__
 
     parser = _Parser(prog="dspine", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"dspine {__version__}")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as Fn
 from torch import nn
 
-from .config import DSpineConfig
+from dspine.config import DSpineConfig
 
 
 class RMSNorm(nn.Module):

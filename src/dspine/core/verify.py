@@ -2,7 +2,7 @@
 
 Inputs per request and cycle: proposals ``y_1..y_n``; the target's logits at the
 positions of ``[x0, y_1..y_n]`` give ``p_1..p_{n+1}`` after the same filters as the
-plain sampler (:func:`dspine.sampling.filter_probs`). ``q`` is either sparse
+plain sampler (:func:`dspine.core.sampling.filter_probs`). ``q`` is either sparse
 (candidate ids [n, K] + probabilities [n, K]) or dense ([n, V]); both give identical
 decisions and corrections for the same random draws. Uniforms are float64 draws
 from the request's generator, in a fixed order: one per examined position, then one
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SamplingConfig
-from .sampling import filter_probs, sample_index, uniform
+from dspine.config import SamplingConfig
+from dspine.core.sampling import filter_probs, sample_index, uniform
 
 
 @dataclass

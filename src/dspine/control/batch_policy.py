@@ -1,6 +1,6 @@
 """Batch-level verification length for the batched engine (spec sections 5 and 8).
 
-In a batched cycle (:class:`dspine.batch.BatchEngine`) every running request shares
+In a batched cycle (:class:`dspine.core.batch.BatchEngine`) every running request shares
 one target forward of width ``max_i n_i + 1``: b requests verifying n proposals each
 cost a forward over ``b * (n + 1)`` tokens. On a CPU that cost grows about in
 proportion to the tokens, so a verification length that pays off for one request
@@ -12,7 +12,7 @@ second::
     n* = argmax_n  sum_i E_i[tokens | min(n, n_max_i)]  /  T(b, n)
 
 - ``E_i`` is request i's expected tokens per cycle, from the censored per-position
-  acceptance statistics of the wrapped :class:`~dspine.policy.CostModelPolicy` (the
+  acceptance statistics of the wrapped :class:`~dspine.control.policy.CostModelPolicy` (the
   request's own decayed cycles blended with the pooled statistics and a prior);
 - ``T(b, n)`` is the whole batched cycle's cost (drafting, final stage, the shared
   forward, per-request verification and commit) at b running requests of which d draft
@@ -27,7 +27,7 @@ second::
   one more proposal would cost more), and half-way between, a plain batched step (n = 0)
   when none was observed at this b recently.
 - With ``observe_costs=False`` on the wrapped policy, the prior alone prices the cycles.
-- Hybrid proposers (:class:`~dspine.policy.PerSourcePolicy`): each request's ``E_i`` comes
+- Hybrid proposers (:class:`~dspine.control.policy.PerSourcePolicy`): each request's ``E_i`` comes
   from the policy of the source its proposer planned for this cycle (``request.source``, set
   before any draw): a request copying its prompt is accepted far more often than the
   drafter's block, and pricing it with the drafter's statistics kept the batch from
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 
-from .policy import CostModelPolicy
+from dspine.control.policy import CostModelPolicy
 
 
 class BatchCostPolicy:
@@ -48,7 +48,7 @@ class BatchCostPolicy:
 
     Args:
         policy: the per-request cost policy whose acceptance statistics and measured
-            single-request cost curve (:class:`~dspine.policy.CostCurve`) are used.
+            single-request cost curve (:class:`~dspine.control.policy.CostCurve`) are used.
         max_batch: the most running requests (rows) the cost table must hold.
         cost_half_life: decay, in observed batched cycles, of the measured cycle times
             (default: the policy's ``cost_half_life``).

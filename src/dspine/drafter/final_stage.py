@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SamplingConfig
-from .model import DSpineDrafter
-from .sampling import filter_probs, sample_index, uniform
+from dspine.config import SamplingConfig
+from dspine.drafter.model import DSpineDrafter
+from dspine.core.sampling import filter_probs, sample_index, uniform
 
 
 class QuantizedHead:
@@ -70,7 +70,7 @@ def candidates(drafter: DSpineDrafter, x: torch.Tensor, k: int, k_coarse: int,
 
     With ``qhead``: coarse top-``k_coarse`` by the quantized head, then exact rescoring
     of those with H, keep ``k``; a ``qhead`` over a draft vocabulary (its ``ids``,
-    :mod:`dspine.draft_vocab`) proposes only those ids. Without: exact head over the full
+    :mod:`dspine.drafter.vocab`) proposes only those ids. Without: exact head over the full
     vocabulary.
     """
     H = drafter.head
@@ -79,7 +79,7 @@ def candidates(drafter: DSpineDrafter, x: torch.Tensor, k: int, k_coarse: int,
     scores = qhead.scores(x)  # [m, V] (or [m, Vs] over a draft vocabulary)
     coarse = torch.topk(scores, min(k_coarse, scores.shape[1]), dim=-1).indices  # [m, Kc]
     ids = getattr(qhead, "ids", None)
-    if ids is not None:  # columns of a draft vocabulary -> target ids (dspine.draft_vocab)
+    if ids is not None:  # columns of a draft vocabulary -> target ids (dspine.drafter.vocab)
         coarse = ids[coarse]
     exact = torch.einsum("md,mkd->mk", x, H[coarse].to(x.dtype))  # [m, Kc]
     top = torch.topk(exact, k, dim=-1).indices  # [m, k]

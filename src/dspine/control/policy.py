@@ -54,7 +54,7 @@ POLICIES = ("fixed", "cost")
 
 class VerifyPolicy:
     """Interface: ``policy(req, n_max) -> n`` with ``0 <= n <= n_max``, called before
-    drafting. ``req`` is a :class:`dspine.engine.Request` (``cycles``, ``drafted_at``,
+    drafting. ``req`` is a :class:`dspine.core.engine.Request` (``cycles``, ``drafted_at``,
     ``accepted_at``)."""
 
     name = "base"
@@ -185,9 +185,9 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
         return _COST_CACHE[key]
     disk_key = _disk_key(target, proposer, n_max, context, repeats) if use_cache else None
     if disk_key is not None:
-        from .tune import store
+        from dspine.tune import store
 
-        from .tune.conditions import remeasure
+        from dspine.tune.conditions import remeasure
 
         hit = store.get(disk_key, str(target.device))
         if hit is not None and not remeasure(hit):  # provisional or stale on a now quiet machine: again
@@ -204,17 +204,17 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     if progress:
         import sys
 
-        from .tune import store
+        from dspine.tune import store
 
         store.first_use_note(str(target.device))
         print("dspine: measuring the cycle cost curve on this machine (once per target, drafter, dtype, "
               "runtime and linear backend; "
               "cached) ...", file=sys.stderr, flush=True)
-    from .tune.conditions import LoadMeter, conditions, spread_of
+    from dspine.tune.conditions import LoadMeter, conditions, spread_of
 
     meter = LoadMeter().__enter__()
     spreads: list[float] = []
-    from .config import SamplingConfig
+    from dspine.config import SamplingConfig
 
     V = target.vocab_size
     layers = list(getattr(proposer, "feature_layers", [])) if proposer is not None else None
@@ -272,7 +272,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     if use_cache:
         _COST_CACHE[key] = curve
         if disk_key is not None:
-            from .tune import store
+            from dspine.tune import store
 
             store.put(disk_key, {"curve": curve.to_dict(), **cond}, str(target.device))
             curve.meta = {**curve.meta, "cache_key": disk_key, **cond}
@@ -300,7 +300,7 @@ def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
            + ")") if when else ""
     marked = False
     if key:
-        from .tune import store
+        from dspine.tune import store
 
         marked = store.mark_stale(key, f"decoding observed cycles {ratio:.2f}x its cost", cost.meta.get("device", "cpu"))
     print(f"dspine: note: cycles take {ratio:.2f}x the cached cost curve{how}; the cost policy uses the observed "
@@ -323,7 +323,7 @@ def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str |
              n_max, context, repeats,
              getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None), target.vocab_size]
     if getattr(target, "linear_backend", "aten") == "blockq":  # new kernels, new costs
-        from .runtime.blockq import source_version
+        from dspine.runtime.blockq import source_version
 
         parts.append(source_version())
     if drafter is not None:
@@ -560,7 +560,7 @@ class CostModelPolicy(VerifyPolicy):
         (:meth:`save_profile`), scaled down to at most :attr:`PROFILE_CYCLES` cycles, so a
         new process does not pay again to learn what drafting is worth here. Returns
         True when a profile was loaded. A damaged entry is ignored."""
-        from .tune import store
+        from dspine.tune import store
 
         e = store.get(key, device)
         try:
@@ -581,13 +581,13 @@ class CostModelPolicy(VerifyPolicy):
 
     def save_profile(self, key: str, device: str = "cpu") -> None:
         """Save the pooled acceptance statistics and observed cycle costs under ``key``."""
-        from .tune import store
+        from dspine.tune import store
 
         store.put(key, {"risk": self.pooled.risk, "acc": self.pooled.acc, "obs_sum": self.obs_sum,
                         "obs_w": self.obs_w, "cycles": self.pooled.cycles}, device)
 
     #: an exploration verifies the longest n whose estimated cycle costs at most this times
-    #: the chosen n's (as :mod:`dspine.batch_policy` does for batched cycles)
+    #: the chosen n's (as :mod:`dspine.control.batch_policy` does for batched cycles)
     EXPLORE_COST_RATIO = 2.0
 
     def explore_length(self, chosen: int, n_max: int) -> int:

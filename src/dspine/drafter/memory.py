@@ -17,7 +17,7 @@ d_c code width, d_m message width, L_d drafter layers):
 - draft context K/V: ``2 L_d n_kv d_head s`` per position, for a full window, and
   for the retained context of each request in two layouts: *dense pool (release)*,
   which keeps every position, and *bounded ring buffer (dspine)*
-  (:class:`dspine.draft.DraftContextCache`), which holds at most ``window``,
+  (:class:`dspine.drafter.checkpoint.DraftContextCache`), which holds at most ``window``,
 - with a target: its weights (parameter count from its config, instantiated on the
   ``meta`` device), its KV per position and for the context, and the recurrent and
   convolution state of linear-attention layers (recurrent state in float32, spec s.6).
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, DSpineConfig
+from dspine.config import ConfigError, DSpineConfig
 
 KiB = 1024
 MiB = 1024 ** 2
@@ -67,7 +67,7 @@ def dtype_bytes(dtype: str | torch.dtype) -> int:
 
 # -- drafter -------------------------------------------------------------------------------
 def drafter_param_counts(cfg: DSpineConfig) -> dict[str, int]:
-    """Parameter counts of :class:`dspine.model.DSpineDrafter` by part (no allocation).
+    """Parameter counts of :class:`dspine.drafter.model.DSpineDrafter` by part (no allocation).
 
     Keys: ``fusion`` (W_fc + norm_ctx), ``layers`` (attention, MLP and norms of all
     layers), ``bridge`` (R_l, W_l, G_r, G_p, V_p, alpha), ``embeddings`` (mask and row
@@ -133,7 +133,7 @@ class TargetSpec:
     head_params: int = 0
 
     def default_feature_layers(self, n: int = 5) -> list[int]:
-        from .target import Target
+        from dspine.target.adapter import Target
 
         return Target.default_feature_layers(self, n)  # uses only num_layers
 
@@ -187,7 +187,7 @@ class TargetSpec:
 
 
 def target_spec(target) -> TargetSpec:
-    """A :class:`TargetSpec` for a target name/path, a loaded :class:`dspine.target.Target`,
+    """A :class:`TargetSpec` for a target name/path, a loaded :class:`dspine.target.adapter.Target`,
     or a spec (returned as is).
 
     Named and path targets are read from their ``config.json`` (no weights are loaded);
@@ -196,8 +196,8 @@ def target_spec(target) -> TargetSpec:
     if isinstance(target, TargetSpec):
         return target
     if isinstance(target, str):
-        from .target import build_random_model
-        from .targets import resolve_target
+        from dspine.target.adapter import build_random_model
+        from dspine.target.registry import resolve_target
 
         resolved = resolve_target(target)
         if isinstance(resolved, str):  # random:<arch>
@@ -295,7 +295,7 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
     measured per machine, ``dspine tune`` shows them): ``int8`` holds a V x d int8 copy
     of the head plus scales (the spec's quantized pass), ``bfloat16`` a bf16 copy,
     ``exact`` none. ``draft_vocab`` > 0: the candidate pass scores only that many ids
-    (:mod:`dspine.draft_vocab`), so its copies hold that many head rows.
+    (:mod:`dspine.drafter.vocab`), so its copies hold that many head rows.
 
     Args:
         target: None, a name/path, a loaded Target or a :class:`TargetSpec`.
@@ -386,7 +386,7 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
             rows.append(Row("target_state", "target recurrent state (float32) + conv state",
                             spec.state_fp32 * 4 + spec.conv_state * ts, scope="request"))
     if ngram_cache_tokens > 0:  # serve --ngram-cache-tokens: shared by all requests (all tenants)
-        from .proposers.cache import BYTES_PER_SLOT, bytes_bound
+        from dspine.proposers.cache import BYTES_PER_SLOT, bytes_bound
 
         rows.append(Row("ngram_cache", f"cross-request output cache, {ngram_cache_tokens} tokens",
                         bytes_bound(ngram_cache_tokens, ngram_max),
@@ -405,7 +405,7 @@ def drafter_config(name: str, target=None) -> DSpineConfig:
     With a target, the release/small profiles are sized for it
     (:meth:`DSpineConfig.for_target`); a config path is checked against it.
     """
-    from .draft import check_fits_target
+    from dspine.drafter.checkpoint import check_fits_target
 
     if name in ("release", "small"):
         if target is None:
@@ -440,7 +440,7 @@ def cmd_memory(args) -> int:
     profile = args.config if args.config in ("release", "small") else Path(args.config).name
     vocab = 0
     if args.config not in ("release", "small") and Path(args.config).is_dir():  # a checkpoint's draft vocabulary
-        from .draft_vocab import load_draft_vocab
+        from dspine.drafter.vocab import load_draft_vocab
 
         ids = load_draft_vocab(args.config, cfg.vocab_size, cfg.head_topk)
         vocab = 0 if ids is None else int(ids.numel())
@@ -455,7 +455,7 @@ def cmd_memory(args) -> int:
 
 
 def add_memory_parser(sub) -> None:
-    """Register ``dspine memory`` (called from :func:`dspine.cli._optional_parsers`)."""
+    """Register ``dspine memory`` (called from :func:`dspine.cli.main._optional_parsers`)."""
     p = sub.add_parser("memory", help="resident memory footprint of a drafter (+ target)",
                        description="Resident footprint: drafter weights, draft context K/V (dense pool "
                                    "vs bounded ring buffer), codebook, greedy tables, quantized head, "
@@ -466,7 +466,7 @@ def add_memory_parser(sub) -> None:
                    help="retained positions per request (default 131072, capped at the target's window)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
-    from .argtypes import nonneg_int, positive_int, tree_budget
+    from dspine.argtypes import nonneg_int, positive_int, tree_budget
 
     p.add_argument("--tree-budget", type=tree_budget, default=0,
                    help="draft-tree nodes per cycle (generate --tree-budget): adds one tree verification's buffers")
@@ -478,7 +478,7 @@ def add_memory_parser(sub) -> None:
     p.set_defaults(func=cmd_memory)
 
 
-if __name__ == "__main__":  # python -m dspine.memory ...
+if __name__ == "__main__":  # python -m dspine.drafter.memory ...
     ap = argparse.ArgumentParser(prog="dspine-memory")
     add_memory_parser(ap.add_subparsers(dest="command", required=True))
     a = ap.parse_args(["memory"] + sys.argv[1:])

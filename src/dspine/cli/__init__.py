@@ -1,0 +1,1 @@
+"""The `dspine` command line (`dspine.cli.main`) and how it builds engines."""

@@ -1,0 +1,1 @@
+"""Controllers: how many proposals to verify and from which source, priced by measured cycle costs and past acceptance."""

@@ -1,0 +1,1 @@
+"""The drafter: model (block forward, bridge), final stage, draft vocabulary, checkpoints and memory accounting."""
