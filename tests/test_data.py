@@ -470,3 +470,40 @@ def test_pack_refuses_what_would_lose_rows(tiny, tmp_path):
     assert (out / "manifest.json").read_bytes() == before
     with pytest.raises(ValueError, match="does not exist"):
         B.pack_dataset(tmp_path / "nothing")
+
+
+def test_engine_generator_rows_are_the_runtimes_greedy_output(tmp_path, one_thread):
+    """--generator engine: each row is what dspine's own `ar` loop (the measured runtime,
+    batched) emits for the prompt alone; a directory keeps its generator on --resume."""
+    from dspine.config import SamplingConfig
+    from dspine.core.engine import Engine
+    from dspine.target.adapter import load_target
+
+    tiny = load_target("random:llama")  # a private copy: the build applies dspine's runtime to it
+    out = tmp_path / "ds"
+    man = B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 6))], out, max_new_tokens=8,
+                          batch_size=3, progress=False, generator="engine")
+    assert man["complete"] and man["sampling"]["generator"] == "engine"
+    single = Engine(tiny, None, "ar")  # the same target object: the runtime the build applied
+    rows = _rows(out)
+    assert len(rows) == 6
+    for r in rows:
+        want = single.generate(r["prompt_ids"], SamplingConfig(), 8).token_ids
+        assert r["response_ids"] == want
+        assert r["finished"] == (want[-1] in tiny.eos_token_ids)
+    with pytest.raises(ValueError, match="--generator 'engine'"):
+        B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=8, progress=False, resume=True)
+    with pytest.raises(ValueError, match="--generator 'gpu'"):
+        B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], tmp_path / "x", progress=False, generator="gpu")
+
+
+def test_directories_from_before_the_generator_setting_resume_as_hf(tiny, tmp_path):
+    out = tmp_path / "ds"
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 2))], out, max_new_tokens=3, progress=False)
+    man = json.loads((out / "manifest.json").read_text())
+    del man["sampling"]["generator"]  # as written before 2026-12-05
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ValueError, match="--generator 'hf'"):
+        B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, progress=False, resume=True,
+                        generator="engine")
+    B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, progress=False, resume=True)

@@ -176,7 +176,7 @@ def parse_shard(text: str, option: str = "--shard") -> tuple[int, int]:
 
 
 # settings that change what a row holds; batch size and threads only change speed
-_ROW_SETTINGS = {"strategy": "strategy", "max_new_tokens": "--max-new-tokens", "dtype": "--dtype",
+_ROW_SETTINGS = {"strategy": "strategy", "generator": "--generator", "max_new_tokens": "--max-new-tokens", "dtype": "--dtype",
                  "max_prompt_tokens": "--max-prompt-tokens", "eos_token_ids": "eos_token_ids",
                  "pad_token_id": "pad_token_id"}
 
@@ -191,7 +191,7 @@ def _check_resume_settings(out: Path, man: dict, settings: dict) -> None:
         ValueError: naming the first setting that differs from the manifest's, with both
             values.
     """
-    old = man.get("sampling", {})
+    old = {"generator": "hf", **man.get("sampling", {})}  # directories from before --generator: transformers' forward
     for key, option in _ROW_SETTINGS.items():
         if key in old and old[key] != settings[key]:
             raise ValueError(f"{out} was built with {option} {old[key]!r}, this run has {settings[key]!r}: "
@@ -245,11 +245,35 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def batch_engine(target, max_running: int, progress: bool = False):
+    """dspine's plain target loop (``ar``) over its measured runtime, batched: what
+    ``--generator engine`` generates with (:func:`build_dataset`)."""
+    from dspine.core.batch import BatchEngine
+    from dspine.core.engine import Engine
+    from dspine.runtime.packed import apply_linear_backend
+    from dspine.runtime.select import apply_runtime
+
+    apply_runtime(target, "auto")
+    apply_linear_backend(target, "auto", progress=progress)
+    return BatchEngine(Engine(target, None, "ar"), max_running=max_running)
+
+
+def generate_engine(engine, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> list[tuple[list[int], bool]]:
+    """Greedy continuations with a :func:`batch_engine`: (response ids, finished) each, the
+    response ending with (and including) its first EOS token, as :func:`generate_batch`."""
+    from dspine.config import SamplingConfig
+
+    eos = set(int(e) for e in eos_ids)
+    res = engine.generate_many([list(p) for p in prompts], SamplingConfig(), max_new_tokens)
+    return [(list(r.token_ids), bool(r.token_ids) and r.token_ids[-1] in eos) for r in res]
+
+
 def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompts: int | None = None,
                   max_new_tokens: int = 256, batch_size: int = 32, dtype: str = "bfloat16",
                   resume: bool = False, threads: int | None = None, max_prompt_tokens: int = 384,
                   shard: tuple[int, int] = (0, 1), shard_rows: int = 5000, pool_batches: int = 8,
-                  progress: bool = True, device: str = "cpu", time_limit: float | None = None) -> dict:
+                  progress: bool = True, device: str = "cpu", time_limit: float | None = None,
+                  generator: str = "hf") -> dict:
     """Regenerate target responses for ``sources`` into ``out_dir``; return the manifest.
 
     Args:
@@ -267,6 +291,12 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
             :func:`dspine.guards.resolve_device`); a loaded ``target`` stays where it is.
         time_limit: seconds after which no new batch is started (the batch under way
             finishes and is written; the manifest stays ``complete: false``, resumable).
+        generator: ``hf`` (transformers' forward, left-padded batches) or ``engine``
+            (dspine's own runtime as ``dspine generate --mode ar`` runs it: the measured
+            linear backend, the lean decode path, continuous batching of ``batch_size``
+            requests in :class:`dspine.core.batch.BatchEngine`): the rows are then exactly
+            the greedy output of the target users decode with. A directory keeps the
+            generator it was started with.
     Raises:
         ValueError: empty prompt file, unknown/eval-only source, or ``out_dir`` holding
             data of another target (or of this target without ``resume``).
@@ -274,6 +304,8 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
     from dspine.guards import resolve_device
     from dspine.target.adapter import Target, load_target
 
+    if generator not in ("hf", "engine"):
+        raise ValueError(f"--generator {generator!r} is unknown; accepted: hf, engine")
     if time_limit is not None and not time_limit > 0:
         raise ValueError(f"--time-limit {time_limit}: must be a positive number of seconds")
     dev = resolve_device(device)
@@ -338,7 +370,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         pad_id = getattr(tgt.tokenizer, "pad_token_id", None)
         if pad_id is None:
             pad_id = min(tgt.eos_token_ids) if tgt.eos_token_ids else 0
-        settings = {"strategy": "greedy", "max_new_tokens": max_new_tokens,
+        settings = {"strategy": "greedy", "generator": generator, "max_new_tokens": max_new_tokens,
                     "dtype": str(tgt.dtype).replace("torch.", ""),
                     "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size,
                     "threads": torch.get_num_threads(), "device": str(tgt.device), "eos_token_ids": sorted(tgt.eos_token_ids),
@@ -378,6 +410,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                    mininterval=0.5 if sys.stderr.isatty() else 30.0)
         t0, new_tokens = time.time(), 0
         stopped = False  # --time-limit reached
+        engine = batch_engine(tgt, batch_size, progress) if generator == "engine" else None
         with cpu_speed_patches(tgt.model) as attn:
             man["sampling"]["attention"] = attn
             while True:
@@ -414,8 +447,11 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                         stopped = True
                         break
                     batch = pool[b:b + batch_size]
-                    outs = generate_batch(tgt.model, [ids for _, ids in batch], max_new_tokens,
-                                          tgt.eos_token_ids, pad_id)
+                    if engine is not None:
+                        outs = generate_engine(engine, [ids for _, ids in batch], max_new_tokens, tgt.eos_token_ids)
+                    else:
+                        outs = generate_batch(tgt.model, [ids for _, ids in batch], max_new_tokens,
+                                              tgt.eos_token_ids, pad_id)
                     lines = []
                     for (rec, ids), (resp, fin) in zip(batch, outs):
                         lines.append(json.dumps({"id": rec["id"], "source": rec["source"],
