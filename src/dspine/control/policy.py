@@ -10,7 +10,7 @@ where an anticipating rule that cuts the block after looking at a sampled token 
 
 Policies:
 
-- :class:`FixedPolicy` (``fixed``, the default): always ``n_max`` (or a set n).
+- :class:`FixedPolicy` (``fixed``; the library default when no policy is given, while ``dspine generate`` and ``serve`` default to ``cost``): always ``n_max`` (or a set n).
 - :class:`CostModelPolicy` (``cost``): chooses n maximizing expected tokens per second,
   ``E[tokens | n] / C(n)``, where
 

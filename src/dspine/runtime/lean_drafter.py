@@ -13,7 +13,7 @@ output (greedy equality with ``ar`` and the exact sampled distribution are teste
 Applies to a block-causal DSpine drafter (bridge on, no q/k norms) on the CPU in float32
 whose linears all hold Q8_0 blocks (:func:`lean_drafter_support` says why not otherwise;
 ``DSPINE_LEAN=0`` turns it off with the target's lean path). Batched proposals (the
-server's ``propose_batch``) keep the PyTorch forward.
+server's ``propose_batch``) run it once per request (each request's own context, no padding).
 """
 from __future__ import annotations
 
