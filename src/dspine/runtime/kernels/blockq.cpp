@@ -169,7 +169,7 @@ inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, 
 }
 
 // rows sharing one dequantized weight block (2 sums each: 8 of the 16 AVX2 registers); groups
-// of 8 measured no faster on AVX-512 than 2 x 4 (docs/decisions.md, session 20), but see
+// of 8 measured no faster on AVX-512 than 2 x 4 (docs/decisions.md, 2026-12-02), but see
 // apply_rows_balanced for 5-7 rows
 constexpr int64_t ROW_GROUP = 4;
 
@@ -191,7 +191,7 @@ void apply_rows(int64_t M, int64_t N, const Dots& dots) {
 // each (5 rows: one group, not 4 + 1; 9 rows: 5 + 4). Each group passes over the weights once
 // and rebuilds them, which costs about as much as a few rows' products, so a small remainder
 // group is dear: measured 0.75-0.78x the time of 4 + 1 at 5 rows, 0.78-0.87x at 6, 0.90-0.92x at
-// 7, equal at 8 (benchmarks/row_groups.py, docs/decisions.md, session 26). Up to 4 rows and on
+// 7, equal at 8 (benchmarks/archive/row_groups.py, docs/decisions.md, 2026-12-04). Up to 4 rows and on
 // AVX2 the groups stay 4 rows, the rest last (apply_rows). Results do not depend on the grouping.
 constexpr int64_t WIDE_GROUP = 8;
 
@@ -608,7 +608,7 @@ struct LeanLlama {
   }
 };
 
-// ---- the lean drafter forward: a DSpine drafter's block rows in one call (issue 22) -----------
+// ---- the lean drafter forward: a DSpine drafter's block rows in one call (2026-12-02) -----------
 // For one block of R <= MAX_ROWS rows of a block-causal DSpine drafter (spec sections 3-4)
 // whose linears all hold Q8_0 blocks (dspine.tune.drafter.quantize_drafter): per layer the
 // pre-norm attention over [draft context ; block rows 0..i] (GQA, rotary embedding of the
