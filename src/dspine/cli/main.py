@@ -15,7 +15,7 @@ from pathlib import Path
 from dspine.argtypes import (DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_int,
                        seed_int, thread_count)
 
-DEFAULT_CHECKPOINTS = Path(__file__).parent / "checkpoints"
+DEFAULT_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
 #: off on this machine (plain target steps where none do), so the default never runs
 #: far slower than ``--mode ar`` (docs/decisions.md).
