@@ -288,7 +288,31 @@ def main() -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        plot_curves(res, Path(args.out).with_suffix(".png"))
     return 0
+
+
+def plot_curves(res: dict, path: Path) -> None:
+    """Row-1 accuracy of each EAGLE-style head against CPU-seconds, code and chat."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, k in zip(axes, ("code", "chat")):
+        for name, curve in res["eagle_curves"].items():
+            ax.plot([p["cpu_s"] for p in curve], [p[f"row1_{k}"] for p in curve], marker="o", label=name)
+        shipped = res.get(f"dspine_rows_{k}")
+        if shipped:
+            ax.axhline(shipped[0], color="k", lw=0.8, ls="--", label="shipped DSpine")
+        ax.set_title(f"held-out {k}: row-1 accuracy", fontsize=9)
+        ax.set_xlabel("CPU-seconds of training")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{res['machine']}, {res['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
