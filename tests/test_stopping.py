@@ -106,3 +106,18 @@ def test_first_stop_does_not_change_state_and_refuses_confirmed_start(smol):
     with pytest.raises(ValueError, match="before the confirmed text"):
         det.first_stop(ids, 1)
     assert StopDetector(tok, []).first_stop(ids, 0) is None
+
+
+@pytest.mark.parametrize("text", ["def fibonacci(n):\n    if n == 0:\n        return 0\n    return n",
+                                  "abc abc abc abc abc abc abc"])
+def test_every_prefix_and_infix_as_a_stop(smol, text):
+    """Stops that begin at the very start of the output or are longer than the text confirmed
+    so far (a negative slice once dropped the start of a short text: such stops were missed)."""
+    tok = smol.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    full = tok.decode(ids, skip_special_tokens=True)
+    stops = {full[a:b] for a in range(0, len(full), 3) for b in range(a + 1, min(len(full), a + 24) + 1, 2)}
+    for stop in sorted(stops):
+        want = naive_first_stop(tok, ids, 0, len(ids), [stop])
+        for seed in range(3):
+            assert run_blocks(StopDetector, tok, ids, [stop], random.Random(seed)) == want, (stop, seed)

@@ -52,7 +52,7 @@ class StopDetector:
         end = len(ids) if end is None else end
         if start < self.read:
             raise ValueError(f"first_stop: start {start} is before the confirmed text ({self.read} tokens)")
-        before = self.text[len(self.text) - self.hold:] if self.hold else ""
+        before = self.text[-self.hold:] if self.hold else ""  # the whole text while it is shorter
         for k in range(start + 1, end + 1):
             window = before + self._tail(ids, k)
             if any(s in window for s in self.stop):
