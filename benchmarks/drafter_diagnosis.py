@@ -191,6 +191,8 @@ def main() -> int:
         if f not in ("drafter", "last") or init not in ("random", "target"):
             ap.error(f"--variants {v!r}: expected FEATURES:INIT, FEATURES drafter|last, INIT random|target")
         variants.append((v, f, init))
+    if len({v for v, _, _ in variants}) < len(variants):
+        ap.error("--variants: a variant is listed twice")
     last = any(f == "last" for _, f, _ in variants)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

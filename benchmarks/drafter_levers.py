@@ -37,13 +37,21 @@ KEYS = {"gamma": float, "anchors": int, "lr": float}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (name, options); ValueError names the bad part."""
     name, _, rest = spec.partition(":")
+    if not name:
+        raise ValueError(f"--variants {spec!r}: give NAME:KEY=VALUE,...")
     opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4}
     for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        if k not in KEYS:
-            raise SystemExit(f"--variants {spec!r}: unknown key {k!r}; accepted: {', '.join(KEYS)}")
-        opts[k] = KEYS[k](v)
+        k, eq, v = kv.partition("=")
+        if k not in KEYS or not eq:
+            raise ValueError(f"--variants {spec!r}: {kv!r} is not KEY=VALUE with KEY one of {', '.join(KEYS)}")
+        try:
+            opts[k] = KEYS[k](v)
+        except ValueError:
+            raise ValueError(f"--variants {spec!r}: {k}={v!r} is not a {KEYS[k].__name__}") from None
+        if not (opts[k] > 0 and math.isfinite(opts[k])):
+            raise ValueError(f"--variants {spec!r}: {k} must be a positive finite number")
     return name, opts
 
 
@@ -64,7 +72,12 @@ def main() -> int:
                          "CPU training computes features per step, so more anchors per sequence amortize it)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    variants = [parse_variant(v) for v in args.variants]
+    try:
+        variants = [parse_variant(v) for v in args.variants]
+    except ValueError as e:
+        ap.error(str(e))
+    if len({n for n, _ in variants}) < len(variants):
+        ap.error("--variants: two variants have the same name")
     torch.set_num_threads(args.threads)
     from dspine.cli.main import default_drafter_path
     from dspine.data.build import load_dataset

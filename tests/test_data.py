@@ -505,5 +505,8 @@ def test_directories_from_before_the_generator_setting_resume_as_hf(tiny, tmp_pa
     (out / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(ValueError, match="--generator 'hf'"):
         B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, progress=False, resume=True,
+                        generator="engine", batch_size=4)
+    with pytest.raises(ValueError, match="--batch-size 32 with --generator engine"):  # before anything loads
+        B.build_dataset("no-such-target", [str(tmp_path / "a.jsonl")], tmp_path / "y", progress=False,
                         generator="engine")
     B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, progress=False, resume=True)

@@ -24,9 +24,18 @@ def test_preset_modes_and_llama_cpp_column(tmp_path, monkeypatch):
     server.chmod(0o755)
     cfg = HL.headline_config()  # found on PATH: the llama.cpp column joins
     assert cfg.modes[-1] == "llama-cpp" and cfg.llama_cpp == str(server)
+    assert "llama-cpp" not in HL.headline_config(modes=("ar", "dspine")).modes  # not asked for: not looked up
     monkeypatch.setenv("DSPINE_LLAMA_CPP", str(tmp_path / "nowhere"))
-    with pytest.raises(H.BenchError, match="nowhere"):  # a named build that is not there is an error
+    with pytest.raises(H.BenchError, match="DSPINE_LLAMA_CPP=.*nowhere"):  # a named build that is not there
         HL.headline_config()
+
+
+@pytest.mark.parametrize("over, msg", [(dict(modes=("dspine", "ngram")), "include ar"),
+                                       (dict(settings=(H.SAMPLED,)), "greedy"),
+                                       (dict(concurrency=(2,)), "concurrency 1")])
+def test_a_headline_without_its_reference_is_refused(over, msg):
+    with pytest.raises(H.BenchError, match=msg):
+        HL.headline_config(**over)
 
 
 def test_headline_run_writes_the_table(tmp_path):
@@ -57,6 +66,9 @@ def test_headline_run_writes_the_table(tmp_path):
     md = (tmp_path / "headline.md").read_text()
     assert "| code (held-out stdlib) |" in md and "| chat (held-out ShareGPT) |" in md
     assert f"({st['isa']}), 1 thread of" in md and st["date"] in md and "llama.cpp: not installed" in md
+    ch = st["changed_from_preset"]  # a shrunken run says so in its stamp
+    assert ch["target"] == "random:llama" and ch["limit"] == 1 and ch["max_new_tokens"] == 8 and ch["repeats"] == 1
+    assert "changed from the preset: target=random:llama" in md
     assert json.loads((tmp_path / "headline.json").read_text())["table"] == json.loads(json.dumps(doc["table"]))
     assert (tmp_path / "headline.png").stat().st_size > 0
 

@@ -148,7 +148,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma list of ar,dflash,dspine,ngram,dspine-drafter,hf,hf-pld,llama-cpp,llama-cpp-lookup or all "
                         "(default all: every mode but the llama.cpp peers, which need a llama.cpp build); ngram is "
                         "dspine's own prompt lookup (copies, no drafter); dspine-drafter the DSpine drafter alone "
-                        "(single chain, whole blocks verified)")
+                        "(single chain, whole blocks verified, whatever --proposer / --verify-policy say)")
     p.add_argument("--llama-cpp", default=None, metavar="PATH",
                    help="llama-server binary or a llama.cpp tree with build/bin/llama-server, for --modes "
                         "llama-cpp / llama-cpp-lookup (default $DSPINE_LLAMA_CPP)")

@@ -51,22 +51,68 @@ def find_llama_cpp(spec: str | None = None) -> str | None:
     ``$DSPINE_LLAMA_CPP`` (either must hold a usable ``llama-server``: BenchError names it
     otherwise), else a ``llama-server`` on PATH; None when there is none (the column is
     then left out and the table says so)."""
+    from dspine.bench.harness import BenchError
     from dspine.bench.llama_cpp import find_llama_server
 
-    if spec or os.environ.get("DSPINE_LLAMA_CPP"):
+    if spec:
         return str(find_llama_server(spec))
+    env = os.environ.get("DSPINE_LLAMA_CPP")
+    if env:
+        try:
+            return str(find_llama_server(env))
+        except BenchError as e:
+            raise BenchError(f"DSPINE_LLAMA_CPP={env}: {str(e).split(': ', 1)[-1]}") from None
     return shutil.which("llama-server")
 
 
 def headline_config(llama_cpp: str | None = None, **overrides) -> BenchConfig:
     """The headline run's :class:`BenchConfig` (module docstring); ``overrides`` replace
-    fields (tests shrink it: ``limit``, ``max_new_tokens``, ``repeats``)."""
-    server = find_llama_cpp(llama_cpp)
-    modes = HEADLINE_MODES + (("llama-cpp",) if server else ())
-    base = dict(modes=modes, workloads=HEADLINE_WORKLOADS, limit=8, max_new_tokens=128, settings=(GREEDY,),
+    fields (tests shrink it: ``limit``, ``max_new_tokens``, ``repeats``). A llama.cpp build
+    is looked for only when the run's modes include ``llama-cpp`` (the default modes do
+    when one is found).
+
+    Raises:
+        BenchError: modes without ``ar`` (every column is a ratio to it), settings without
+            greedy, or a concurrency without 1 (the table is greedy, one request at a time).
+    """
+    from dspine.bench.harness import BenchError
+
+    if "modes" in overrides:
+        server = find_llama_cpp(llama_cpp) if "llama-cpp" in overrides["modes"] else llama_cpp
+    else:
+        server = find_llama_cpp(llama_cpp)
+        overrides["modes"] = HEADLINE_MODES + (("llama-cpp",) if server else ())
+    if "ar" not in overrides["modes"]:
+        raise BenchError(f"--headline --modes {','.join(overrides['modes'])}: the table gives every mode's ratio "
+                         f"to ar; include ar")
+    if GREEDY not in overrides.get("settings", (GREEDY,)):
+        raise BenchError("--headline: the table is greedy (same ids checked against ar); include --settings greedy")
+    if 1 not in overrides.get("concurrency", (1,)):
+        raise BenchError("--headline: the table is measured one request at a time; include --concurrency 1")
+    base = dict(workloads=HEADLINE_WORKLOADS, limit=8, max_new_tokens=128, settings=(GREEDY,),
                 repeats=2, warmup=1, llama_cpp=server)
     base.update(overrides)
     return BenchConfig(**base)
+
+
+def preset_changes(cfg: dict) -> dict:
+    """The settings a run changed from the headline preset (named in the table's stamp)."""
+    keys = ("target", "dtype", "device", "modes", "drafters", "workloads", "limit", "max_new_tokens",
+            "repeats", "warmup", "proposer", "verify_policy", "tree_budget", "linear_backend", "runtime",
+            "drafter_linears", "draft_vocab", "head_kernel", "context_tokens")
+    preset = BenchConfig(workloads=HEADLINE_WORKLOADS, limit=8, max_new_tokens=128, settings=(GREEDY,),
+                         repeats=2, warmup=1).to_dict()
+    out = {}
+    for k in keys:
+        if k not in cfg:
+            continue
+        v, p = cfg[k], preset.get(k)
+        if k == "modes":
+            p = list(HEADLINE_MODES) + (["llama-cpp"] if "llama-cpp" in v else [])
+        norm = lambda x: list(x) if isinstance(x, tuple) else x  # noqa: E731
+        if norm(v) != norm(p):
+            out[k] = v
+    return out
 
 
 def _cell(g: dict | None) -> dict | None:
@@ -103,7 +149,8 @@ def stamp(summary: dict, load_end: float | None, date: str | None = None) -> dic
             "cores": env.get("cpu_count"), "load_avg_1m_start": env.get("load_avg_1m"),
             "load_avg_1m_end": load_end, "torch": env.get("torch"), "commit": commit,
             "dirty": env.get("git_dirty"), "date": date or _dt.date.today().isoformat(),
-            "command": HEADLINE_COMMAND, "wall_s": summary.get("wall_s")}
+            "command": HEADLINE_COMMAND, "changed_from_preset": preset_changes(summary.get("config") or {}),
+            "wall_s": summary.get("wall_s")}
 
 
 def _x(v, fmt="{:.2f}x") -> str:
@@ -133,7 +180,9 @@ def render(table: dict, st: dict, modes: list[str]) -> str:
         st.get("load_avg_1m_start") is not None and st.get("load_avg_1m_end") is not None) else "load average unknown"
     lines += ["", f"Machine: {st['cpu']} ({st['isa']}), {st['threads']} thread{'s' if st['threads'] != 1 else ''} of {st['cores']} cores, {load}; "
                   f"torch {st['torch']}; commit {st['commit']}{' (with local changes)' if st.get('dirty') else ''}, "
-                  f"{st['date']}; `{st['command']}` ({st['wall_s']:.0f} s).",
+                  f"{st['date']}; `{st['command']}` ({st['wall_s']:.0f} s)"
+                  + (f", changed from the preset: {', '.join(f'{k}={v}' for k, v in st['changed_from_preset'].items())}"
+                     if st.get("changed_from_preset") else "") + ".",
               "Columns after `ar` tok/s: tokens/s of each mode over `ar`'s on the same request, median over "
               "prompts x repeats; τ: tokens per cycle; drafter's share: the share of the defaults' accepted "
               "proposals that the drafter (not a copy) proposed; same ids: greedy outputs equal to `ar`'s "

@@ -262,6 +262,8 @@ def parse_workloads(spec: str | list[str]) -> list[str]:
     if bad or not names:
         raise WorkloadError(f"--workloads {','.join(bad) or '(empty)'}: unknown; accepted: "
                             f"{', '.join(WORKLOAD_NAMES)} or all")
+    if len(set(names)) < len(names):
+        raise WorkloadError(f"--workloads {','.join(names)}: a workload is listed twice")
     return names
 
 

@@ -306,6 +306,11 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
 
     if generator not in ("hf", "engine"):
         raise ValueError(f"--generator {generator!r} is unknown; accepted: hf, engine")
+    from dspine.guards import MAX_CONCURRENCY
+
+    if generator == "engine" and not 1 <= int(batch_size) <= MAX_CONCURRENCY:
+        raise ValueError(f"--batch-size {batch_size} with --generator engine: the batched engine runs 1.."
+                         f"{MAX_CONCURRENCY} requests at once (the validated range)")
     if time_limit is not None and not time_limit > 0:
         raise ValueError(f"--time-limit {time_limit}: must be a positive number of seconds")
     dev = resolve_device(device)

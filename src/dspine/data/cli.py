@@ -18,7 +18,8 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompts", type=positive_int, default=None,
                    help="stop after N prompts (default: every prompt of the sources)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
-    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="prompts generated together (default: 32 with --generator hf, 8 with engine)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="target dtype while generating; auto: the faster of float32 / bfloat16 measured "
                         "on this machine (cached; `dspine tune`), or the dtype of the rows already "
@@ -34,14 +35,15 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generator", choices=["hf", "engine"], default="hf",
                    help="hf: transformers' forward in left-padded batches (default; the committed data's); "
                         "engine: dspine's own measured runtime, batched as `dspine serve` runs it (the lean "
-                        "path: several times faster on CPUs); a directory keeps the one it was started with")
+                        "path); --resume needs the generator the directory was started with")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_build)
 
 
 def _cmd_build(args) -> int:
     man = build_dataset(args.target, args.prompts, args.out, max_prompts=args.max_prompts,
-                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                        max_new_tokens=args.max_new_tokens,
+                        batch_size=args.batch_size or (8 if args.generator == "engine" else 32),
                         dtype=args.dtype, resume=args.resume, threads=args.threads,
                         max_prompt_tokens=args.max_prompt_tokens, shard=parse_shard(args.shard),
                         progress=not args.no_progress, device=args.device, time_limit=args.time_limit,

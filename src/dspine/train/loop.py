@@ -231,7 +231,7 @@ class Trainer:
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
               "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup",
               "vocab_subset": "--vocab-subset", "seed": "--seed", "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast",
-              "soft_topk": "--soft-labels", "soft_weight": "--soft-weight"}
+              "soft_topk": "--soft-labels", "soft_weight": "--soft-weight", "gamma": "--gamma"}
 
     def resume(self) -> bool:
         """Load ``ckpt/`` if present; returns True when resumed, False when no checkpoint
