@@ -282,7 +282,7 @@ def test_memory_window_benchmark_runs(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_window.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "archive" / "memory_window.py"
     spec = importlib.util.spec_from_file_location("memory_window", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
