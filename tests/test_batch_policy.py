@@ -22,7 +22,8 @@ from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
-from dspine.control.policy import CostCurve, CostModelPolicy
+from dspine.control.cost_curve import CostCurve
+from dspine.control.policy import CostModelPolicy
 from dspine.target.adapter import load_target
 from test_policy import M, PROMPT, SAMPLING, V, CutAtToken, PeakedProposer, _likely_second_token, exact_distribution
 
@@ -148,7 +149,7 @@ def test_cost_table_edges():
     pol.observe(3, 1, 4.0)  # beyond max_batch: ignored
     pol.observe(1, 9, 1.0)  # beyond n_max: ignored
     pol.observe(1, 0, float("nan"))
-    assert pol.obs == {(2, 2, 1): [4.0, 1.0]}  # (b, drafting requests, n): all b by default
+    assert pol.times.cells == {(2, 2, 1): [4.0, 1.0]}  # (b, drafting requests, n): all b by default
     assert pol.cycle_cost(2, 1) == 4.0
     ratio = 4.0 / pol.prior(2, 1)
     assert pol.cycle_cost(1, 2) == pytest.approx(pol.prior(1, 2) * ratio)  # nearest observed cell
@@ -163,10 +164,10 @@ def test_cost_table_edges():
     # the decay and the observe_costs switch come from the wrapped policy
     base = CostModelPolicy(_linear_curve(), cost_half_life=4.0, observe_costs=False)
     frozen = BatchCostPolicy(base, 2)
-    assert frozen.decay == pytest.approx(base.cost_decay) == pytest.approx(0.5 ** 0.25)
+    assert frozen.times.decay == pytest.approx(base.times.decay) == pytest.approx(0.5 ** 0.25)
     frozen.observe(2, 1, 100.0)
     assert frozen.cycle_cost(2, 1) == pytest.approx(frozen.prior(2, 1))  # the prior alone
-    pol.MAX_DECISIONS = 8  # bounded history
+    pol.decisions.limit = 8  # bounded history
     for _ in range(20):
         pol.choose([_Req()], [3])
     assert 4 <= len(pol.decisions) <= 8

@@ -375,6 +375,7 @@ def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
     assert all("prefill_stall_s" not in r for r in rows if r["concurrency"] == 1)
 
 
+@pytest.mark.slow  # long CLI / subprocess run; the default suite stays under ~15 min on 2 cores
 def test_smoke_cli(tmp_path):
     """``dspine bench --smoke`` on the real default target and shipped drafters (in CI, as
     the benchmark asks; its wall time is recorded in summary.json, not asserted here). Two

@@ -30,6 +30,7 @@ def _env(tmp_path: Path, **kw) -> dict:
     return env
 
 
+@pytest.mark.slow  # long CLI / subprocess run; the default suite stays under ~15 min on 2 cores
 def test_gpu_script_runs_end_to_end_on_cpu_within_the_device_limits(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")], env=_env(tmp_path),
                        capture_output=True, text=True, timeout=600)

@@ -83,7 +83,7 @@ def test_no_import_circles():
 def test_proposers_have_a_home():
     g = import_graph()
     assert {"dspine.proposers.base", "dspine.proposers.drafter", "dspine.proposers.ngram",
-            "dspine.proposers.hybrid"} <= set(g)
+            "dspine.proposers.copy_or_draft"} <= set(g)
     assert "dspine.core.engine" not in g["dspine.proposers.base"]  # the interface does not know the engine
 
 

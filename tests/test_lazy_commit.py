@@ -9,7 +9,7 @@ from conftest import random_proposer
 
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
-from dspine.control.policy import FixedPolicy
+from dspine.control.base import Controller, FixedPolicy
 from dspine.proposers import DraftContextCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,7 @@ def test_copied_features_survive_a_reused_buffer(tiny256):
     assert torch.equal(s.pending[0][0], want)
 
 
-class _Every:
+class _Every(Controller):
     """Verify n_max proposals every ``k``-th cycle, none otherwise."""
 
     name = "every"

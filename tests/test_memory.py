@@ -106,6 +106,7 @@ def test_param_counts_match_model(over, tiny256):
 
 
 # -- estimate vs measured allocation ----------------------------------------------------------------
+@pytest.mark.slow  # long CLI / subprocess run; the default suite stays under ~15 min on 2 cores
 def test_estimate_matches_measured_real_target():
     """SmolLM2-135M (float32) + a random small-profile drafter with window 96; a
     160-token prompt, then a few cycles."""

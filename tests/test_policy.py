@@ -23,9 +23,12 @@ from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.base import Proposal, Proposer
 from dspine.proposers.drafter import DrafterProposer
-from dspine.core.engine import Engine, Request
-from dspine.control.policy import (POLICIES, AcceptanceStats, CostCurve, CostModelPolicy, FixedPolicy, make_policy,
-                           measure_cost)
+from dspine.core.engine import Engine, EngineError, Request
+from dspine.control.base import Controller, FixedPolicy
+from dspine.control.cost_curve import CostCurve
+from dspine.control.estimator import AcceptanceStats
+from dspine.control.policy import make_policy, CostModelPolicy, POLICIES
+from dspine.tune.cost import measure_cost
 from dspine.core.sampling import filter_probs, sample_index, uniform
 from dspine.target.adapter import load_target
 
@@ -279,7 +282,7 @@ def test_cost_policy_learns_acceptance_from_past_cycles(tiny256):
 
 
 def test_cost_curve_fit_is_monotone():
-    from dspine.control.policy import _interp
+    from dspine.tune.cost import _interp
 
     curve = _interp({0: 1.0, 1: 2.0, 2: 1.5, 4: 3.0, 8: 2.9, 15: 4.0}, 15)
     assert len(curve) == 16 and curve[0] == 1.0 and curve[-1] == 4.0
@@ -363,12 +366,12 @@ def test_unobserved_lengths_scale_with_the_observed_ratio():
     assert pol.cycle_cost(2) == pytest.approx(3.0 * 2.5)  # tie between 1 and 3: the lower n
     pol.observe(9, 1.0)  # out of range and bad values are ignored
     pol.observe(0, float("nan"))
-    assert pol.obs_w == [0.0, 2.0, 0.0, 1.0]
+    assert [pol.times.weight(n) for n in range(4)] == [0.0, 2.0, 0.0, 1.0]
     decayed = CostModelPolicy(curve, cost_half_life=1.0)
     decayed.observe(0, 5.0)
     decayed.observe(1, 2.0)
     decayed.observe(1, 2.0)  # n = 0's weight fell to 0.25: estimated from n = 1 again
-    assert decayed.obs_w[0] == pytest.approx(0.25) and decayed.cycle_cost(0) == pytest.approx(1.0)
+    assert decayed.times.weight(0) == pytest.approx(0.25) and decayed.cycle_cost(0) == pytest.approx(1.0)
 
 
 def test_swapping_policies_back_does_not_recount_cycles():
@@ -403,7 +406,7 @@ def test_cost_correction_edge_cases():
     req.cycles.append(c)
     pol2 = CostModelPolicy(CostCurve([1.0, 1.5, 2.0, 2.5]))
     pol2(req, 3)
-    assert pol2.obs_w == [0.0] * 4 and pol2.pooled.cycles == 1  # acceptance counted, cost not
+    assert not pol2.times.cells and pol2.pooled.cycles == 1  # acceptance counted, cost not
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="cost_half_life"):
             CostModelPolicy(CostCurve([1.0, 2.0]), cost_half_life=bad)
@@ -437,11 +440,12 @@ def test_engine_calls_policy_before_proposing(tiny256):
 
     prop.propose = propose
 
-    def policy(req: Request, n_max: int) -> int:
-        events.append(("policy", len(req.cycles)))
-        return 2
+    class Recording(Controller):
+        def __call__(self, req: Request, n_max: int) -> int:
+            events.append(("policy", len(req.cycles)))
+            return 2
 
-    eng = Engine(tiny256, prop, "dspine", verify_policy=policy)
+    eng = Engine(tiny256, prop, "dspine", verify_policy=Recording())
     res = eng.generate([65, 66, 67], SamplingConfig(), 8)
     assert events[0] == ("policy", 0) and events[1] == "propose"
     pol_calls = [e for e in events if e != "propose"]
@@ -507,3 +511,12 @@ def test_cli_generate_verify_policy(capsys):
     rc = main(["generate", "Hi", "--target", "random:llama", "--drafter", "random", "--verify-policy", "oracle"])
     assert rc == 2
     assert "--verify-policy 'oracle' is unknown; accepted: fixed, cost" in capsys.readouterr().err
+
+
+def test_engine_refuses_a_controller_it_would_have_to_probe(tiny256):
+    """The engine calls a declared interface (dspine.control.base.Controller); a bare
+    callable is refused with the setting named, not probed for optional methods."""
+    prop = DrafterProposer(random_drafter(tiny256, block_size=4))
+    with pytest.raises(EngineError, match="verify_policy must be a dspine.control.base.Controller"):
+        Engine(tiny256, prop, "dspine", verify_policy=lambda req, n: n)
+    assert Engine(tiny256, prop, "dspine").verify_policy.name == "fixed"  # None: the whole block

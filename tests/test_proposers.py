@@ -25,7 +25,9 @@ from dspine.drafter.checkpoint import load_drafter, random_drafter
 from dspine.proposers.base import Proposal
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
-from dspine.control.policy import CostCurve, CostModelPolicy, FixedPolicy, PerSourcePolicy, make_policy
+from dspine.control.base import FixedPolicy
+from dspine.control.cost_curve import CostCurve
+from dspine.control.policy import make_policy, CostModelPolicy, PerSourcePolicy
 from dspine.proposers import HybridProposer, NgramIndex, NgramProposer, Plan, make_proposer
 from dspine.proposers.ngram import point_mass
 from test_policy import SAMPLING, PeakedProposer, _likely_second_token, exact_distribution, sources_chi_square
@@ -290,7 +292,7 @@ class PeekingHybrid(HybridProposer):
         super().__init__(drafter, ngram)
         self.v = v
 
-    def plan(self, state, anchor, n_max):
+    def plan(self, state, anchor, n_max, pick=None):
         return Plan("draft", n_max)
 
     def propose(self, state, anchor, anchor_pos, n, sampling, gen):

@@ -13,6 +13,7 @@ from dspine.config import SamplingConfig
 from dspine.core.reference import reference_generate
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
+from dspine.control.base import Controller
 from dspine.core.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,7 +24,7 @@ def engine_ids(target, proposer, prompt, sampling, n, policy=None):
     return Engine(target, proposer, mode, verify_policy=policy).generate(prompt, sampling, n).token_ids
 
 
-@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("chat", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_greedy_reference_equals_engine_and_ar_on_the_real_target(smol, chat):
     prompt = smol.encode_prompt("Write a Python function that reverses a string." if chat
                                 else "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", chat=chat)
@@ -44,6 +45,13 @@ def test_seeded_reference_equals_engine(tiny, seed, mode):
     assert ref == engine_ids(tiny, random_proposer(tiny, mode, 4), prompt, s, 24)
 
 
+class _OneFewer(Controller):
+    """Verify one proposal fewer than the block allows."""
+
+    def __call__(self, req, n_max: int) -> int:
+        return max(0, n_max - 1)
+
+
 def test_negative_control_fewer_proposals_draw_differently(tiny):
     """Verifying one proposal fewer per cycle uses the draws differently: over a few seeds
     the outputs differ from the reference's (the comparison above can fail)."""
@@ -52,6 +60,6 @@ def test_negative_control_fewer_proposals_draw_differently(tiny):
     for seed in range(4):
         s = SamplingConfig(temperature=0.9, top_p=0.95, seed=seed)
         ref = reference_generate(tiny, random_proposer(tiny, "dspine", 4), prompt, s, 24)
-        short = engine_ids(tiny, random_proposer(tiny, "dspine", 4), prompt, s, 24, policy=lambda req, n: max(0, n - 1))
+        short = engine_ids(tiny, random_proposer(tiny, "dspine", 4), prompt, s, 24, policy=_OneFewer())
         differ += ref != short
     assert differ >= 2

@@ -447,6 +447,7 @@ def _read_until(proc, pattern: str, timeout: float, sink: list) -> str:
     return box["hit"]
 
 
+@pytest.mark.slow  # long CLI / subprocess run; the default suite stays under ~15 min on 2 cores
 def test_cli_serve_subprocess_graceful_sigterm():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     bad = subprocess.run([sys.executable, "-m", "dspine.cli", "serve", "--target", MODEL, "--max-running", "9",

@@ -1,4 +1,4 @@
-"""Tree or chain by measured rate (dspine.trees.gate, 2026-12-03).
+"""Tree or chain by measured rate (dspine.control.tree_gate, 2026-12-03).
 
 - with injected cycle times the gate drafts the kind with the higher tokens per second, keeps
   exploring the other one, follows a change, and keeps sources apart;
@@ -16,10 +16,11 @@ import dspine.core.engine
 from conftest import random_proposer
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
-from dspine.control.policy import CostCurve, CostModelPolicy
+from dspine.control.cost_curve import CostCurve
+from dspine.control.policy import CostModelPolicy
 from dspine.target.adapter import load_target
 from dspine.trees import TreeSpec
-from dspine.trees.gate import TreeGate
+from dspine.control.tree_gate import TreeGate
 from test_distribution import (ALPHA, N, N_NEG, PROMPT, SETTINGS, _verify_residual_is_p, chi2_pvalue,
                                exact_distribution, sample_counts, strong_bridge_drafter)
 from test_trees import _broken_no_residual, tiny_dense  # noqa: F401 (a fixture)

@@ -1,4 +1,4 @@
-"""Per-cycle size of best-first draft trees (``--tree-size cost``, dspine.trees.sizer)."""
+"""Per-cycle size of best-first draft trees (``--tree-size cost``, dspine.control.tree_sizer)."""
 from __future__ import annotations
 
 import math
@@ -12,10 +12,11 @@ from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
-from dspine.control.policy import CostCurve, CostModelPolicy
+from dspine.control.cost_curve import CostCurve
+from dspine.control.policy import CostModelPolicy
 from dspine.trees import DraftTree, TreeSpec
 from dspine.trees.build import dynamic_tree, graft
-from dspine.trees.sizer import TreeSizer, prefix_tokens_expected
+from dspine.control.tree_sizer import TreeSizer, prefix_tokens_expected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -26,7 +26,7 @@ from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
 from dspine.drafter.final_stage import chain
-from dspine.proposers.hybrid import HybridProposer
+from dspine.proposers.copy_or_draft import HybridProposer
 from dspine.core.sampling import filter_probs, make_generator, sample_index, uniform
 from dspine.target.adapter import load_target
 from dspine.trees import DraftTree, TreeSpec, parse_tree_shape

@@ -16,7 +16,8 @@ from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.drafter.final_stage import QuantizedHead, candidates
-from dspine.control.policy import CostCurve, CostModelPolicy, make_policy
+from dspine.control.cost_curve import CostCurve
+from dspine.control.policy import make_policy, CostModelPolicy
 from dspine.tune import store
 from dspine.tune.choose import choose_fastest
 from dspine.tune.dtype import choose_forward_dtype
@@ -389,7 +390,7 @@ def test_make_policy_persist_keys_by_drafter(tiny256, disk_cache):
 
 
 def test_cost_curve_cached_on_disk(tiny256, disk_cache):
-    from dspine.control.policy import _COST_CACHE, measure_cost
+    from dspine.tune.cost import _COST_CACHE, measure_cost
     prop = DrafterProposer(random_drafter(tiny256, block_size=4, seed=1))
     c1 = measure_cost(tiny256, prop, n_max=3, repeats=1)
     _COST_CACHE.clear()  # a new process: only the disk cache remains

@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-from dspine.control.policy import _COST_CACHE, CostCurve, CostModelPolicy, _disk_key, measure_cost
+from dspine.control.cost_curve import CostCurve
+from dspine.control.policy import CostModelPolicy
+from dspine.tune.cost import _COST_CACHE, _disk_key, measure_cost
 from dspine.target.adapter import load_target
 from dspine.tune import conditions, store
 from dspine.tune.choose import cached_choice, choose_fastest
@@ -126,6 +128,7 @@ def test_tune_show_lists_conditions(load, capsys):
     assert shown["entries"]["t:show"]["provisional"] is True
 
 
+@pytest.mark.slow  # long CLI / subprocess run; the default suite stays under ~15 min on 2 cores
 def test_first_run_says_what_it_does_and_json_stays_clean(tmp_path):
     """A fresh DSPINE_HOME (tuning on, kernels shared with the usual home so none is rebuilt):
     stderr names the first run and each measurement with its time; stdout is one JSON object."""

@@ -43,7 +43,8 @@ CONFIGS = ("ar", "default", "split", "depth")
 
 def split(engine) -> None:
     """Price contested copies apart: a source ``ngram-contested`` with its own cost policy."""
-    from dspine.control.policy import CostModelPolicy, copy_cost
+    from dspine.control.cost_curve import copy_cost
+    from dspine.control.policy import CostModelPolicy
 
     engine.proposer.split_contested = True
     pols = engine.verify_policy.policies

@@ -17,7 +17,7 @@ PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
 DEFAULT_TREE_BUDGET = 16
 DEFAULT_SERVE_TREE_BUDGET = 16  # `dspine serve` (measured: docs/decisions.md, 2026-12-03)
 #: ``--tree-size``: ``fixed`` verifies every node the budget allows; ``cost`` the best-first
-#: prefix with the most expected tokens per second (dspine.trees.sizer)
+#: prefix with the most expected tokens per second (dspine.control.tree_sizer)
 TREE_SIZES = ("fixed", "cost")
 DEFAULT_TREE_SIZE = "cost"
 #: the most draft-tree nodes per cycle: one target forward holds an (N+1) x (context+N+1) mask

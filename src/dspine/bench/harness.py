@@ -72,7 +72,7 @@ class BenchConfig:
     runtime: str = "auto"  # the shared target's forward (dspine.runtime.select); hf/hf-pld run transformers' generate
     tree_budget: int = DEFAULT_TREE_BUDGET  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains
     tree_shape: str = "dynamic"  # dynamic | widths per depth such as 4,2,1
-    tree_size: str = DEFAULT_TREE_SIZE  # fixed | cost (dspine.trees.sizer)
+    tree_size: str = DEFAULT_TREE_SIZE  # fixed | cost (dspine.control.tree_sizer)
     # how the drafter modes' drafter runs, as generate's defaults (dspine.tune.drafter,
     # dspine.drafter.vocab, dspine.tune.head): the speed of what users run
     drafter_linears: str = "auto"  # auto | float32 | q8

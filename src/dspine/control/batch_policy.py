@@ -21,11 +21,13 @@ second::
   observed/prior ratio at the nearest observed (b', d', n') (same b first). The prior
   prices the forward as the single-request curve at ``b * (n + 1)`` tokens (linearly
   extrapolated past the curve's end) plus d single-request proposals of n tokens.
-- Exploration, as in the per-request policy but bounded for batches: every
-  ``explore_every`` cycles the longest n whose estimated cost is at most twice the
-  chosen one (so a full 16-token verification of 8 requests is not forced; none when even
-  one more proposal would cost more), and half-way between, a plain batched step (n = 0)
-  when none was observed at this b recently.
+- Exploration, as in the per-request policy (the same
+  :func:`dspine.control.estimator.explore_length`): every ``explore_every`` cycles the
+  longest n, reached step by step, whose estimated cost is at most
+  :data:`~dspine.control.estimator.EXPLORE_COST_RATIO` times the chosen one (so a full
+  16-token verification of 8 requests is not forced; none when even one more proposal
+  would cost more), and half-way between, a plain batched step (n = 0) when none was
+  observed at this b recently.
 - With ``observe_costs=False`` on the wrapped policy, the prior alone prices the cycles.
 - Hybrid proposers (:class:`~dspine.control.policy.PerSourcePolicy`): each request's ``E_i`` comes
   from the policy of the source its proposer planned for this cycle (``request.source``, set
@@ -40,7 +42,26 @@ from __future__ import annotations
 
 import math
 
-from dspine.control.policy import CostModelPolicy
+from dspine.control.base import Controller
+from dspine.control.estimator import DecayedCells, DecisionLog, best_rate, explore_length
+from dspine.control.policy import CostModelPolicy, PerSourcePolicy
+
+
+def batch_controller(controller: Controller, max_batch: int,
+                     current: "BatchCostPolicy | None" = None) -> "BatchCostPolicy | None":
+    """The batch pricing of ``controller`` for a batched engine of at most ``max_batch``
+    running requests: a :class:`BatchCostPolicy` over a cost policy (over a per-source
+    policy, the drafter's curve prices the forward and each source's statistics its
+    requests), None for a controller that does not price cycles (fixed lengths are then
+    chosen per request). ``current`` is returned when it already wraps the same policy."""
+    pol, sources = controller, None
+    if isinstance(pol, PerSourcePolicy):
+        pol, sources = pol.policies[pol.default], pol.policies
+    if not isinstance(pol, CostModelPolicy):
+        return None
+    if current is not None and current.policy is pol:
+        return current
+    return BatchCostPolicy(pol, max_batch, sources=sources)
 
 
 class BatchCostPolicy:
@@ -48,7 +69,7 @@ class BatchCostPolicy:
 
     Args:
         policy: the per-request cost policy whose acceptance statistics and measured
-            single-request cost curve (:class:`~dspine.control.policy.CostCurve`) are used.
+            single-request cost curve (:class:`~dspine.control.cost_curve.CostCurve`) are used.
         max_batch: the most running requests (rows) the cost table must hold.
         cost_half_life: decay, in observed batched cycles, of the measured cycle times
             (default: the policy's ``cost_half_life``).
@@ -75,16 +96,12 @@ class BatchCostPolicy:
         self.policy = policy
         self.sources = {k: v for k, v in (sources or {}).items() if isinstance(v, CostModelPolicy)}
         self.n_max = policy.cost.n_max
-        if cost_half_life is None:
-            self.decay = policy.cost_decay
-        else:
-            hl = float(cost_half_life)
-            self.decay = 0.5 ** (1.0 / hl) if math.isfinite(hl) else 1.0
+        self.times = DecayedCells(None)  # (b, d, n) -> decayed seconds and count
+        self.times.decay = policy.times.decay if cost_half_life is None else DecayedCells(cost_half_life).decay
         self.explore_every = policy.explore_every if explore_every is None else int(explore_every)
         self.max_batch = int(max_batch)
-        self.obs: dict[tuple[int, int, int], list[float]] = {}  # (b, d, n) -> [decayed seconds, decayed count]
         self.cycles = 0
-        self.decisions: list[tuple[int, int]] = []  # (b, n) of recent cycles, bounded
+        self.decisions = DecisionLog(self.MAX_DECISIONS)  # (b, n) of recent cycles
 
     # -- cost --------------------------------------------------------------------------
     def prior(self, b: int, n: int, d: int | None = None) -> float:
@@ -122,34 +139,19 @@ class BatchCostPolicy:
             return
         if not (1 <= b <= self.max_batch and 0 <= n <= self.n_max and seconds > 0 and math.isfinite(seconds)):
             return
-        if self.decay < 1.0:
-            for cell in self.obs.values():
-                cell[0] *= self.decay
-                cell[1] *= self.decay
-        cell = self.obs.setdefault(self._key(b, n, d), [0.0, 0.0])
-        cell[0] += seconds
-        cell[1] += 1.0
+        self.times.add(self._key(b, n, d), seconds)
 
     def observed(self, b: int, n: int, d: int | None = None) -> float:
         """Decayed count of observed cycles at (b, n, d)."""
-        return self.obs.get(self._key(b, n, d), (0.0, 0.0))[1]
+        return self.times.weight(self._key(b, n, d))
 
     def cycle_cost(self, b: int, n: int, d: int | None = None) -> float:
         """Estimated cost (s) of a batched cycle at (b, n, d): the observed decayed mean,
         or the prior times the observed/prior ratio at the nearest observed cell (nearest
         in b, then in drafted requests, then in n)."""
-        key = self._key(b, n, d)
-        cell = self.obs.get(key)
-        if cell is not None and cell[1] >= 0.5:
-            return cell[0] / cell[1]
-        cells = [k for k, c in self.obs.items() if c[1] >= 0.5]
-        b, d, n = key
-        if not cells:
-            return self.prior(b, n, d)
-        bb, dd, nn = min(cells, key=lambda c: (abs(c[0] - b), abs(c[1] - d), abs(c[2] - n), c[2], c[0], c[1]))
-        p = self.prior(bb, nn, dd)
-        mean = self.obs[(bb, dd, nn)][0] / self.obs[(bb, dd, nn)][1]
-        return self.prior(b, n, d) * mean / p if p > 0 else self.prior(b, n, d)
+        return self.times.corrected(self._key(b, n, d), lambda k: self.prior(k[0], k[2], k[1]),
+                                    lambda c, k: (abs(c[0] - k[0]), abs(c[1] - k[1]), abs(c[2] - k[2]),
+                                                  c[2], c[0], c[1]))
 
     # -- choice ------------------------------------------------------------------------
     def expected(self, reqs, n_maxes: list[int]) -> list[list[float]]:
@@ -185,21 +187,12 @@ class BatchCostPolicy:
             return self.cycle_cost(b, n, sum(1 for dr, m in zip(drafting, n_maxes) if dr and min(n, m) > 0))
 
         top = max(len(e) - 1 for e in es)
-        best, best_rate = 0, -1.0
-        for n in range(top + 1):
-            tokens = sum(e[min(n, len(e) - 1)] for e in es)
-            c = cost(n)
-            rate = tokens / c if c > 0 else float("inf")
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = n, rate
+        best = best_rate(range(top + 1), lambda n: sum(e[min(n, len(e) - 1)] for e in es), cost)
         n, k = best, self.explore_every
-        if top > 0 and k and self.cycles % k == k - 1:  # explore longer n, at most 2x the cost
-            limit = 2.0 * cost(best)
-            n = max(m for m in range(best, top + 1) if m == best or cost(m) <= limit)
+        if top > 0 and k and self.cycles % k == k - 1:  # explore longer n at a bounded cost
+            n = explore_length(best, top, cost)
         elif top > 0 and k and self.cycles % k == k // 2 - 1 and self.observed(b, 0) < 0.5:
             n = 0  # probe a plain batched step at this b
         self.cycles += 1
         self.decisions.append((b, n))
-        if len(self.decisions) > self.MAX_DECISIONS:
-            del self.decisions[: len(self.decisions) - self.MAX_DECISIONS // 2]
         return [min(n, max(0, int(m))) for m in n_maxes]

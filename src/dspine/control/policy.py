@@ -21,7 +21,7 @@ Policies:
     cut by a short n are not counted as rejections). This request's cycles
     (exponentially decayed, ``half_life``) are blended with the statistics of all
     requests this policy has seen (the workload's profile) and a prior ``prior_accept``;
-  * ``C(n)`` is the cycle cost measured once on this machine (:func:`measure_cost`,
+  * ``C(n)`` is the cycle cost measured once on this machine (:func:`dspine.tune.cost.measure_cost`,
     cached per target/drafter/device/dtype): the target forward over n+1 tokens plus,
     for n >= 1, the cost of proposing n tokens (a block-causal drafter runs n+1 rows
     and n serial final-stage steps, so a short verification also drafts cheaply). n = 0
@@ -40,332 +40,19 @@ while the verifier still divides by q, which biases the output.
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import time
 import weakref
-from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dspine.control.base import Controller, FixedPolicy
+from dspine.control.cost_curve import CostCurve, copy_cost
+from dspine.control.estimator import (EXPLORE_COST_RATIO, AcceptanceStats, DecayedCells, DecisionLog,
+                                      best_rate, expected_tokens, explore_length)
+from dspine.tune.cost import flag_stale_curve, measure_cost
+
 POLICIES = ("fixed", "cost")
-
-
-class VerifyPolicy:
-    """Interface: ``policy(req, n_max) -> n`` with ``0 <= n <= n_max``, called before
-    drafting. ``req`` is a :class:`dspine.core.engine.Request` (``cycles``, ``drafted_at``,
-    ``accepted_at``)."""
-
-    name = "base"
-
-    def __call__(self, req, n_max: int) -> int:
-        raise NotImplementedError
-
-
-class FixedPolicy(VerifyPolicy):
-    """Verify ``n`` proposals per cycle (``None``: all the block allows, ``n_max``)."""
-
-    name = "fixed"
-
-    def __init__(self, n: int | None = None):
-        if n is not None and n < 0:
-            raise ValueError(f"FixedPolicy n must be >= 0, got {n}")
-        self.n = n
-
-    def __call__(self, req, n_max: int) -> int:
-        return n_max if self.n is None else min(self.n, n_max)
-
-
-# -- cost curve -------------------------------------------------------------------------------
-@dataclass
-class CostCurve:
-    """Measured cycle cost on this machine, seconds.
-
-    verify_s[n]: target forward over n+1 tokens (anchor + n proposals), n = 0..n_max.
-    draft_s: drafter forward of a full block (n = n_max).
-    final_per_row_s: final stage cost of a full block divided by n_max.
-    propose_s[n]: measured cost of proposing n tokens (draft forward + final stage),
-        n = 0..n_max with propose_s[0] = 0, or None. A block-causal drafter runs only
-        n + 1 rows and its final stage n serial steps, so this grows with n; the
-        candidate pass has a fixed part. When None (synthetic curves), a proposal costs
-        ``draft_s + final_per_row_s * n``.
-    """
-
-    verify_s: list[float]
-    draft_s: float = 0.0
-    final_per_row_s: float = 0.0
-    meta: dict = field(default_factory=dict)
-    propose_s: list[float] | None = None
-
-    def __post_init__(self):
-        """Raises ValueError: an empty curve, or a cost that is negative or not finite
-        (a curve loaded with :meth:`from_dict` must not make some n look free)."""
-        if not self.verify_s:
-            raise ValueError("CostCurve.verify_s is empty (need the cost of n = 0)")
-        vals = list(self.verify_s) + [self.draft_s, self.final_per_row_s] + list(self.propose_s or [])
-        bad = [v for v in vals if not (math.isfinite(v) and v >= 0)]
-        if bad:
-            raise ValueError(f"CostCurve costs must be finite and >= 0 seconds, got {bad[0]!r}")
-        if self.propose_s is not None and len(self.propose_s) != len(self.verify_s):
-            raise ValueError(f"CostCurve.propose_s has {len(self.propose_s)} values, verify_s {len(self.verify_s)}")
-
-    @property
-    def n_max(self) -> int:
-        return len(self.verify_s) - 1
-
-    def cycle_s(self, n: int) -> float:
-        """Cost of a cycle verifying n proposals (n = 0: plain autoregressive step)."""
-        n = min(n, self.n_max)
-        c = self.verify_s[n]
-        if n > 0:
-            c += self.propose_s[n] if self.propose_s else self.draft_s + self.final_per_row_s * n
-        return c
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CostCurve":
-        return cls(**d)
-
-
-_COST_CACHE: dict[tuple, CostCurve] = {}
-
-
-def _isotonic(ys: list[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators): timing noise must not
-    make a longer verification look cheaper, and one slow outlier must not lift the rest."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for y in ys:
-        blocks.append([y, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, c2 = blocks.pop()
-            m1, c1 = blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    out: list[float] = []
-    for m, c in blocks:
-        out += [m] * int(c)
-    return out
-
-
-def _interp(points: dict[int, float], n_max: int) -> list[float]:
-    """Isotonic fit of the measured points, then piecewise-linear interpolation over 0..n_max."""
-    xs = sorted(points)
-    fit = dict(zip(xs, _isotonic([points[x] for x in xs])))
-    out = []
-    for n in range(n_max + 1):
-        if n in fit:
-            out.append(fit[n])
-        else:
-            hi = next(x for x in xs if x > n)
-            lo = max(x for x in xs if x < n)
-            out.append(fit[lo] + (fit[hi] - fit[lo]) * (n - lo) / (hi - lo))
-    return out
-
-
-@torch.no_grad()
-def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repeats: int = 3,
-                 use_cache: bool = True, progress: bool = False) -> CostCurve:
-    """Measure the cycle cost curve of ``target`` (+ ``proposer``) once and cache it.
-
-    Runs target forwards of n+1 tokens after a ``context``-token prefix at a few n,
-    and proposals of n tokens at the same n >= 1 (each the median of ``repeats`` after a
-    warm-up; other n interpolated by a monotone fit). Cached in memory per loaded
-    (target, drafter, device, dtype, n_max) and on disk (:mod:`dspine.tune.store`, per
-    machine) for targets and drafters loaded by name, keyed by their shapes, the
-    candidate-pass kernels and the settings, so a later run skips the measurement.
-    ``progress``: say on stderr that a measurement is running.
-    """
-    drafter = getattr(proposer, "drafter", None)
-    key = (id(target.model), target.name, str(target.device), str(target.dtype), n_max,
-           id(drafter) if drafter is not None else id(proposer), context, getattr(target, "linear_backend", "aten"),
-           getattr(target, "runtime_name", "hf"), getattr(getattr(target, "runtime", None), "decode_path", None))
-    if use_cache and key in _COST_CACHE:
-        return _COST_CACHE[key]
-    disk_key = _disk_key(target, proposer, n_max, context, repeats) if use_cache else None
-    if disk_key is not None:
-        from dspine.tune import store
-
-        from dspine.tune.conditions import remeasure
-
-        hit = store.get(disk_key, str(target.device))
-        if hit is not None and not remeasure(hit):  # provisional or stale on a now quiet machine: again
-            try:
-                curve = CostCurve.from_dict(hit["curve"])
-                curve.meta = {**curve.meta, "cache_key": disk_key,
-                              **{k: hit[k] for k in ("measured_at", "loadavg_1m", "others_cores", "spread",
-                                                     "provisional", "stale") if k in hit}}
-                _COST_CACHE[key] = curve
-                return curve
-            except (KeyError, TypeError, ValueError):
-                pass  # an unreadable entry is measured again
-    t_start = time.perf_counter()
-    if progress:
-        import sys
-
-        from dspine.tune import store
-
-        store.first_use_note(str(target.device))
-        print("dspine: measuring the cycle cost curve on this machine (once per target, drafter, dtype, "
-              "runtime and linear backend; "
-              "cached) ...", file=sys.stderr, flush=True)
-    from dspine.tune.conditions import LoadMeter, conditions, spread_of
-
-    meter = LoadMeter().__enter__()
-    spreads: list[float] = []
-    from dspine.config import SamplingConfig
-
-    V = target.vocab_size
-    layers = list(getattr(proposer, "feature_layers", [])) if proposer is not None else None
-    ids = (torch.arange(1, context + 1) * 7919 % max(V - 1, 1) + 1).clamp_max(V - 1)[None].to(target.device)
-    cache = target.new_cache()
-    out = target.forward(ids, cache, layers, logits_to_keep=1)
-    cache.rollback(context)
-    pts = sorted({n for n in (0, 1, 2, 3, 4, 6, 8, 12, n_max) if 0 <= n <= n_max})
-    meas: dict[int, float] = {}
-    for n in pts:
-        x = ids[:, : n + 1]
-        ts = []
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
-            target.forward(x, cache, layers)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize(target.device)
-            dt = time.perf_counter() - t0
-            cache.rollback(context)
-            if r:  # first run is a warm-up
-                ts.append(dt)
-        meas[n] = statistics.median(ts)
-        spreads.append(spread_of(ts) or 1.0)
-    draft_s = final_row = 0.0
-    propose_s = None
-    if proposer is not None and n_max > 0:
-        state = proposer.new_state(ids[0].tolist())
-        if out.features is not None:
-            proposer.commit(state, out.features[0], 0)
-        prop: dict[int, float] = {0: 0.0}
-        for n in pts[1:]:
-            d, f = [], []
-            for r in range(repeats + 1):
-                p = proposer.propose(state, int(ids[0, -1]), context, n, SamplingConfig(), None)
-                if r:
-                    d.append(p.draft_s)
-                    f.append(p.final_s)
-            prop[n] = statistics.median(d) + statistics.median(f)
-        draft_s, final_row = statistics.median(d), statistics.median(f) / n_max  # n = n_max
-        propose_s = _interp(prop, n_max)
-    meter.__exit__(None, None, None)
-    # a plain step's repeats decide "repeats disagree" (the median over n of each n's spread)
-    cond = conditions(meter, statistics.median(spreads) if spreads else None)
-    curve = CostCurve(_interp(meas, n_max), draft_s, final_row,
-                      meta={"context": context, "repeats": repeats, "measured_n": pts,
-                            "device": str(target.device), "dtype": str(target.dtype)},
-                      propose_s=propose_s)
-    if progress:
-        import sys
-
-        flag = (f"; provisional: {cond['provisional_why']} (measured again on a quiet run; the cost policy "
-                f"corrects it while decoding)" if cond["provisional"] else "")
-        print(f"dspine: ... plain step {meas[0] * 1e3:.1f} ms, {n_max} drafted tokens {curve.cycle_s(n_max) * 1e3:.1f} ms "
-              f"({time.perf_counter() - t_start:.1f} s{flag})", file=sys.stderr, flush=True)
-    if use_cache:
-        _COST_CACHE[key] = curve
-        if disk_key is not None:
-            from dspine.tune import store
-
-            store.put(disk_key, {"curve": curve.to_dict(), **cond}, str(target.device))
-            curve.meta = {**curve.meta, "cache_key": disk_key, **cond}
-    return curve
-
-
-_STALE_WARNED: set[str] = set()
-
-
-def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
-    """Decoding observed cycles ``ratio`` times the cached curve's cost (median over
-    :attr:`CostModelPolicy.STALE_CYCLES` cycles): warn once on stderr and mark the cache
-    entry stale, so the next run on a quiet machine measures it again
-    (:func:`dspine.tune.conditions.remeasure`). The policy itself already decides on the
-    observed times."""
-    import sys
-
-    key = str(cost.meta.get("cache_key") or "")
-    if key in _STALE_WARNED:
-        return
-    _STALE_WARNED.add(key)
-    when = cost.meta.get("measured_at")
-    load = cost.meta.get("others_cores")
-    how = (f" (measured {when}" + (f" while other processes kept ~{load:.1f} cores busy" if isinstance(load, (int, float)) else "")
-           + ")") if when else ""
-    marked = False
-    if key:
-        from dspine.tune import store
-
-        marked = store.mark_stale(key, f"decoding observed cycles {ratio:.2f}x its cost", cost.meta.get("device", "cpu"))
-    print(f"dspine: note: cycles take {ratio:.2f}x the cached cost curve{how}; the cost policy uses the observed "
-          f"times, and " + ("the curve is measured again by the next run on a quiet machine" if marked else
-                            "the curve was not cached")
-          + "; `dspine tune --redo` on an idle machine measures every choice again", file=sys.stderr, flush=True)
-
-
-def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str | None:
-    """Key of a cost curve in the per-machine tune cache, or None when the target or the
-    proposer cannot be named by shape (a test's ad-hoc proposer: measure every time)."""
-    import hashlib
-
-    drafter = getattr(proposer, "drafter", None)
-    if proposer is not None and drafter is None:
-        return None
-    cfg = getattr(target, "config", None)
-    parts = [target.name, str(target.dtype), str(target.device), getattr(target, "linear_backend", "aten"),
-             getattr(target, "runtime_name", "hf"), getattr(getattr(target, "runtime", None), "decode_path", None),
-             n_max, context, repeats,
-             getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None), target.vocab_size]
-    if getattr(target, "linear_backend", "aten") == "blockq":  # new kernels, new costs
-        from dspine.runtime.blockq import source_version
-
-        parts.append(source_version())
-    if drafter is not None:
-        parts += [drafter.cfg.to_json(), json.dumps(proposer.kernel_info(), sort_keys=True)
-                  if hasattr(proposer, "kernel_info") else ""]
-    return "cost:" + hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
-
-
-# -- acceptance statistics ----------------------------------------------------------------------
-class AcceptanceStats:
-    """Exponentially decayed, censored per-position acceptance counts.
-
-    ``risk[k]``: cycles that verified position k+1 with positions <= k accepted;
-    ``acc[k]``: those of them that accepted position k+1.
-    """
-
-    def __init__(self, half_life: float):
-        self.decay = 0.5 ** (1.0 / half_life) if half_life and math.isfinite(half_life) else 1.0
-        self.risk: list[float] = []
-        self.acc: list[float] = []
-        self.cycles = 0
-
-    def update(self, n: int, accepted: int) -> None:
-        """Add one cycle that verified ``n`` proposals and accepted ``accepted``."""
-        if n <= 0:
-            return
-        if self.decay < 1.0:
-            self.risk = [r * self.decay for r in self.risk]
-            self.acc = [a * self.decay for a in self.acc]
-        while len(self.risk) < n:
-            self.risk.append(0.0)
-            self.acc.append(0.0)
-        for k in range(min(n, accepted + 1)):  # positions 1..min(n, a+1) were at risk
-            self.risk[k] += 1.0
-            if k < accepted:
-                self.acc[k] += 1.0
-        self.cycles += 1
-
-    def counts(self, k: int) -> tuple[float, float]:
-        """(accepted, at risk) for position k+1 (zeros when never verified)."""
-        return (self.acc[k], self.risk[k]) if k < len(self.risk) else (0.0, 0.0)
-
 
 class _RequestState:
     __slots__ = ("stats", "seen", "last_explore")
@@ -376,11 +63,11 @@ class _RequestState:
         self.last_explore = 0  # req.cycles consumed when a longer n was last explored
 
 
-class CostModelPolicy(VerifyPolicy):
+class CostModelPolicy(Controller):
     """Choose n maximizing expected tokens per second (see the module docstring).
 
     Args:
-        cost: the measured :class:`CostCurve` (:func:`measure_cost`).
+        cost: the measured :class:`CostCurve` (:func:`dspine.tune.cost.measure_cost`).
         prior_accept: prior per-position acceptance rate c_j before any statistics.
         prior_weight: pseudo-cycles of that prior.
         half_life: decay (cycles) of a request's own statistics.
@@ -422,16 +109,14 @@ class CostModelPolicy(VerifyPolicy):
             raise ValueError(f"explore_every must be >= 0, got {explore_every}")
         if not cost_half_life > 0:
             raise ValueError(f"cost_half_life must be > 0 (cycles), got {cost_half_life}")
+        self.times = DecayedCells(cost_half_life)  # n -> decayed measured cycle seconds and count
         self.cost = cost
         self.prior_accept, self.prior_weight = prior_accept, prior_weight
         self.half_life, self.global_weight_cap = half_life, global_weight_cap
         self.explore_every = explore_every
         self.pooled = AcceptanceStats(global_half_life)
-        self.decisions: list[int] = []
+        self.decisions = DecisionLog(self.MAX_DECISIONS)
         self.observe_costs = observe_costs
-        self.cost_decay = 0.5 ** (1.0 / cost_half_life) if cost_half_life and math.isfinite(cost_half_life) else 1.0
-        self.obs_sum = [0.0] * (cost.n_max + 1)  # decayed sum of measured cycle times (s) per n
-        self.obs_w = [0.0] * (cost.n_max + 1)  # decayed count per n
         self._costs: list[float] | None = None  # cycle_cost for every n, until an observation changes
         self.profile_key: str | None = None  # set by make_policy(persist=True)
         self.source = source  # only cycles of this proposer source count (None: every cycle)
@@ -444,11 +129,7 @@ class CostModelPolicy(VerifyPolicy):
         """Add the measured time of a completed cycle that verified ``n`` proposals."""
         if not (0 <= n <= self.cost.n_max and seconds > 0 and math.isfinite(seconds)):
             return
-        d = self.cost_decay
-        self.obs_sum = [x * d for x in self.obs_sum]
-        self.obs_w = [w * d for w in self.obs_w]
-        self.obs_sum[n] += seconds
-        self.obs_w[n] += 1.0
+        self.times.add(n, seconds)
         self._costs = None
         measured = self.cost.cycle_s(n)
         if self.stale_ratio is None and measured >= self.STALE_MIN_S:
@@ -471,22 +152,13 @@ class CostModelPolicy(VerifyPolicy):
         return self._costs[min(n, self.cost.n_max)]
 
     def _cycle_costs(self) -> list[float]:
-        """:meth:`cycle_cost` of every n = 0..n_max, computed (the observed n found once)."""
+        """:meth:`cycle_cost` of every n = 0..n_max (:meth:`DecayedCells.corrected`: the
+        observed mean, or the curve scaled by observed/measured at the nearest observed n)."""
         curve = [self.cost.cycle_s(n) for n in range(self.cost.n_max + 1)]
         if not self.observe_costs:
             return curve
-        seen = [k for k, w in enumerate(self.obs_w) if w >= 0.5] or [k for k, w in enumerate(self.obs_w) if w > 0]
-        if not seen:
-            return curve
-        out = []
-        for n, cn in enumerate(curve):
-            if self.obs_w[n] >= 0.5:
-                out.append(self.obs_sum[n] / self.obs_w[n])
-                continue
-            k = min(seen, key=lambda k: (abs(k - n), k))
-            ck = curve[k]
-            out.append(cn * (self.obs_sum[k] / self.obs_w[k]) / ck if ck > 0 else cn)
-        return out
+        return [self.times.corrected(n, lambda k: curve[k], lambda k, m: (abs(k - m), k))
+                for n in range(len(curve))]
 
     # statistics ----------------------------------------------------------------------------
     def _state(self, req) -> _RequestState:
@@ -530,26 +202,16 @@ class CostModelPolicy(VerifyPolicy):
                 prior = out[-1]
         return out
 
-    def expected_tokens(self, conf: list[float]) -> list[float]:
-        """E[tokens emitted | n] for n = 0..len(conf): 1 + sum_{k<=n} prod_{j<=k} c_j."""
-        e, s, out = 1.0, 1.0, [1.0]
-        for c in conf:
-            s *= c
-            e += s
-            out.append(e)
-        return out
+    @staticmethod
+    def expected_tokens(conf: list[float]) -> list[float]:
+        """E[tokens emitted | n] for n = 0..len(conf) (:func:`dspine.control.estimator.expected_tokens`)."""
+        return expected_tokens(conf)
 
     def choose(self, conf: list[float], n_max: int) -> int:
         """argmax_n E[tokens | n] / C(n) over 0..n_max (smallest n on ties)."""
         n_max = min(n_max, self.cost.n_max)
-        e = self.expected_tokens(conf[:n_max])
-        best, best_rate = 0, -1.0
-        for n in range(n_max + 1):
-            c = self.cycle_cost(n)
-            rate = e[n] / c if c > 0 else float("inf")
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = n, rate
-        return best
+        e = expected_tokens(conf[:n_max])
+        return best_rate(range(n_max + 1), e.__getitem__, self.cycle_cost)
 
     # persisted profile ---------------------------------------------------------------------
     PROFILE_CYCLES = 64.0  # a loaded profile weighs at most this many cycles
@@ -566,16 +228,17 @@ class CostModelPolicy(VerifyPolicy):
         try:
             risk, acc = [float(x) for x in e["risk"]], [float(x) for x in e["acc"]]
             obs_sum, obs_w = [float(x) for x in e["obs_sum"]], [float(x) for x in e["obs_w"]]
+            n_cells = self.cost.n_max + 1
         except (TypeError, KeyError, ValueError):
             return False
-        if len(risk) != len(acc) or len(obs_sum) != len(self.obs_sum) or len(obs_w) != len(self.obs_w) \
+        if len(risk) != len(acc) or len(obs_sum) != n_cells or len(obs_w) != n_cells \
                 or any(not (math.isfinite(v) and v >= 0) for v in risk + acc + obs_sum + obs_w) \
                 or any(a > r + 1e-9 for a, r in zip(acc, risk)):
             return False
         k = min(1.0, self.PROFILE_CYCLES / max(risk[0] if risk else 0.0, 1e-9))
         self.pooled.risk, self.pooled.acc = [r * k for r in risk], [a * k for a in acc]
         kw = min(1.0, 8.0 / max(max(obs_w, default=0.0), 1e-9))  # costs: a few cycles' weight
-        self.obs_sum, self.obs_w = [x * kw for x in obs_sum], [w * kw for w in obs_w]
+        self.times.cells = {n: [x * kw, w * kw] for n, (x, w) in enumerate(zip(obs_sum, obs_w)) if w > 0}
         self._costs = None
         return True
 
@@ -583,27 +246,22 @@ class CostModelPolicy(VerifyPolicy):
         """Save the pooled acceptance statistics and observed cycle costs under ``key``."""
         from dspine.tune import store
 
-        store.put(key, {"risk": self.pooled.risk, "acc": self.pooled.acc, "obs_sum": self.obs_sum,
-                        "obs_w": self.obs_w, "cycles": self.pooled.cycles}, device)
+        ns = range(self.cost.n_max + 1)
+        store.put(key, {"risk": self.pooled.risk, "acc": self.pooled.acc,
+                        "obs_sum": [self.times.total(n) for n in ns], "obs_w": [self.times.weight(n) for n in ns],
+                        "cycles": self.pooled.cycles}, device)
 
     #: an exploration verifies the longest n whose estimated cycle costs at most this times
-    #: the chosen n's (as :mod:`dspine.control.batch_policy` does for batched cycles)
-    EXPLORE_COST_RATIO = 2.0
+    #: the chosen n's (single requests and batches alike, :mod:`dspine.control.estimator`)
+    EXPLORE_COST_RATIO = EXPLORE_COST_RATIO
 
     def explore_length(self, chosen: int, n_max: int) -> int:
-        """The n an exploration verifies: the longest n <= ``n_max`` whose estimated cycle
-        cost is at most :attr:`EXPLORE_COST_RATIO` times the chosen n's (``chosen`` when even
-        one more proposal costs more). Longer positions are reached step by step: once the
-        explored ones are accepted, the estimate itself chooses a longer n. Exploring the
-        whole ``n_max`` instead cost up to ~3.5 plain steps per exploration on the lean
-        path (a 7-token copy, 25 ms vs 7 ms) for positions rarely reached on chat."""
-        limit = self.EXPLORE_COST_RATIO * self.cycle_cost(chosen)
-        n = chosen
-        for k in range(chosen + 1, min(n_max, self.cost.n_max) + 1):
-            if self.cycle_cost(k) > limit:
-                break
-            n = k
-        return n
+        """The n an exploration verifies (:func:`dspine.control.estimator.explore_length`):
+        the longest n <= ``n_max`` whose estimated cycle cost is at most
+        :attr:`EXPLORE_COST_RATIO` times the chosen n's. Exploring the whole ``n_max``
+        instead cost up to ~3.5 plain steps per exploration on the lean path (a 7-token
+        copy, 25 ms vs 7 ms) for positions rarely reached on chat."""
+        return explore_length(chosen, min(n_max, self.cost.n_max), self.cycle_cost, self.EXPLORE_COST_RATIO)
 
     def explore_period(self, chosen: int, explored: int) -> int:
         """Cycles between explorations: ``explore_every`` times the cost ratio of the
@@ -621,15 +279,13 @@ class CostModelPolicy(VerifyPolicy):
         if nx > n and st.seen - st.last_explore >= self.explore_period(n, nx):
             n = nx
             st.last_explore = st.seen
-        elif e and st.seen % e == e // 2 - 1 and any(self.obs_w) and self.obs_w[0] < 0.5:
+        elif e and st.seen % e == e // 2 - 1 and self.times.cells and self.times.weight(0) < 0.5:
             n = 0  # probe a plain step: its observed cost decayed away (or was never seen)
-        self.decisions.append(n)
-        if len(self.decisions) > self.MAX_DECISIONS:  # a server runs for days: keep it bounded
-            del self.decisions[: len(self.decisions) - self.MAX_DECISIONS // 2]
+        self.decisions.append(n)  # bounded: a server runs for days
         return n
 
 
-class PerSourcePolicy(VerifyPolicy):
+class PerSourcePolicy(Controller):
     """One :class:`CostModelPolicy` per proposer source (the copy-or-draft hybrid).
 
     A copied continuation and a drafter's block are accepted at very different rates and
@@ -685,17 +341,14 @@ class PerSourcePolicy(VerifyPolicy):
         e = pol.expected_tokens(pol.confidence(st.stats, n_max))
         return max((e[n] / c for n in range(1, n_max + 1) if (c := pol.cycle_cost(n)) > 0), default=0.0)
 
+    def picker(self, req):
+        """``pick(plans) -> plan`` for ``req``: :meth:`pick` (the controller chooses the source)."""
+        return lambda plans: self.pick(req, plans)
+
     def pick(self, req, plans: list):
         """The plan (:class:`~dspine.proposers.base.Plan`) with the highest :meth:`rate`;
         the first on ties. Reads only completed cycles: non-anticipating."""
         return max(plans, key=lambda p: (self.rate(req, p.source, p.max_n), -plans.index(p)))
-
-
-def copy_cost(curve: CostCurve) -> CostCurve:
-    """``curve`` for a proposer that drafts for free (copies): the target's verification
-    only; the cost of looking a match up is in the observed cycle times."""
-    return CostCurve(list(curve.verify_s), 0.0, 0.0, meta={**curve.meta, "proposer": "copy"},
-                     propose_s=[0.0] * len(curve.verify_s))
 
 
 def profile_key(target, proposer) -> str | None:
@@ -729,7 +382,7 @@ def _sources(proposer) -> list[str]:
 
 
 def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
-                cost: CostCurve | None = None, progress: bool = False, persist: bool = False) -> VerifyPolicy:
+                cost: CostCurve | None = None, progress: bool = False, persist: bool = False) -> Controller:
     """Build a policy by name: ``fixed`` or ``cost`` (measures the cost curve of
     ``target`` + ``proposer`` unless ``cost`` is given). ``persist``: the cost policy
     starts from the acceptance profile saved by an earlier run on this machine

@@ -45,10 +45,9 @@ from dataclasses import dataclass
 import torch
 
 from dspine.core.batch_lean import Inputs, lean_forward
-from dspine.control.batch_policy import BatchCostPolicy
+from dspine.control.batch_policy import BatchCostPolicy, batch_controller
 from dspine.config import SamplingConfig
 from dspine.core.engine import CycleRecord, Engine, EngineError, GenerationResult, Request, _observe
-from dspine.control.policy import CostModelPolicy, PerSourcePolicy
 from dspine.proposers.base import Proposal
 from dspine.core.sampling import sample_token
 from dspine.trees.verify import verify_tree
@@ -516,15 +515,10 @@ class BatchEngine:
         return lean_forward(self.target, plan, self.kv, inputs, starts, fl)
 
     def _batch_policy(self) -> BatchCostPolicy | None:
-        """The batch-level cost policy when the engine's policy is ``cost`` (rebuilt if
-        the engine's policy object was replaced), else None (per-request choices)."""
-        pol, sources = self.engine.verify_policy, None
-        if isinstance(pol, PerSourcePolicy):  # hybrid: the drafter's curve prices the forward,
-            pol, sources = pol.policies[pol.default], pol.policies  # each source's record its requests
-        if not isinstance(pol, CostModelPolicy):
-            return None
-        if self.batch_policy is None or self.batch_policy.policy is not pol:
-            self.batch_policy = BatchCostPolicy(pol, self.max_running, sources=sources)
+        """The batch-level pricing of the engine's controller
+        (:func:`dspine.control.batch_policy.batch_controller`: rebuilt if the engine's
+        controller was replaced), or None (per-request choices)."""
+        self.batch_policy = batch_controller(self.engine.verify_policy, self.max_running, self.batch_policy)
         return self.batch_policy
 
     # -- drafting ------------------------------------------------------------------------

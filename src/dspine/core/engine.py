@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from dspine.config import SamplingConfig
+from dspine.control.base import Controller, FixedPolicy
 from dspine.core.stopping import StopDetector
 from dspine.proposers.base import Plan, Proposal, Proposer
 from dspine.core.sampling import filter_probs, make_generator, sample_index, sample_token, uniform
@@ -186,36 +187,41 @@ class Engine:
         target: the loaded :class:`Target`.
         proposer: None for ``ar``; else a :class:`Proposer` (drafter, oracle, ...).
         mode: one of :data:`MODES` (recorded in results).
-        verify_policy: optional callable ``(request, n_max) -> n`` choosing the
-            verification length per cycle before drafting (non-anticipating, spec s.5);
-            with a tree, n is the tree's depth.
+        verify_policy: the :class:`~dspine.control.base.Controller` that chooses each
+            cycle's source and verification length before drafting (non-anticipating,
+            spec s.5; with a tree, n is the tree's depth) and, when it prices cycles
+            (``cost`` set), sizes and gates draft trees; None: :class:`FixedPolicy` (the
+            whole block every cycle).
         tree: :class:`~dspine.trees.TreeSpec`; with a budget > 0 a cycle whose proposer
             can build a tree (:meth:`Proposer.propose_tree`) and whose target cache can
             verify one (the dense runtime) verifies a draft tree instead of a chain;
             other cycles (copies, hybrid Gated-DeltaNet targets, ``--runtime hf``) keep chains.
     Raises:
-        EngineError: unknown mode, or a speculative mode without a proposer.
+        EngineError: unknown mode, a speculative mode without a proposer, or a
+            ``verify_policy`` that is not a :class:`~dspine.control.base.Controller`.
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, mode: str = "dspine",
-                 verify_policy: Callable[[Request, int], int] | None = None, tree: TreeSpec | None = None):
+                 verify_policy: Controller | None = None, tree: TreeSpec | None = None):
         if mode not in ENGINE_LABELS:
             raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
         if mode != "ar" and proposer is None:
             raise EngineError(f"--mode {mode} needs a drafter")
         self.target, self.proposer, self.mode = target, (proposer if mode != "ar" else None), mode
-        self.verify_policy = verify_policy
+        if verify_policy is not None and not isinstance(verify_policy, Controller):
+            raise EngineError(f"verify_policy must be a dspine.control.base.Controller, got {type(verify_policy).__name__}")
+        self.verify_policy = verify_policy if verify_policy is not None else FixedPolicy()
         self.tree = tree or TreeSpec()
         # --tree-size cost: the verified prefix of best-first trees, from the policy's cost curve
         self.tree_sizer = None
-        curve = getattr(verify_policy, "cost", None)
+        curve = self.verify_policy.cost
         if self.tree.enabled and self.tree.size == "cost" and curve is not None:
-            from dspine.trees.sizer import TreeSizer
+            from dspine.control.tree_sizer import TreeSizer
             self.tree_sizer = TreeSizer(curve.verify_s)
         # ... and whether a drafting cycle drafts a tree or a chain, by their measured rates
         self.tree_gate = None
         if self.tree_sizer is not None:
-            from dspine.trees.gate import TreeGate
+            from dspine.control.tree_gate import TreeGate
             self.tree_gate = TreeGate()
         # target feature layers the proposer reads; None (no capture) for ``ar`` and for
         # proposers without features (oracles in tests), which then get [n, 0] features
@@ -283,17 +289,14 @@ class Engine:
             return 0
         if n_max <= 0:
             plan = Plan(self.proposer.source, n_max)
-        elif self.proposer.offers_alternatives and hasattr(self.verify_policy, "pick"):
-            plan = self.proposer.plan(req.draft_state, req.anchor, n_max,
-                                      pick=lambda plans: self.verify_policy.pick(req, plans))
         else:
-            plan = self.proposer.plan(req.draft_state, req.anchor, n_max)
+            plan = self.proposer.plan(req.draft_state, req.anchor, n_max, pick=self.verify_policy.picker(req))
         req.source = plan.source
         return max(0, min(n_max, int(plan.max_n)))
 
     def _verification_length(self, req: Request) -> int:
         n_max = self.plan(req)
-        if self.verify_policy is not None and n_max > 0:
+        if n_max > 0:
             n = int(self.verify_policy(req, n_max))
             return max(0, min(n, n_max))
         return n_max
@@ -372,7 +375,7 @@ class Engine:
         return prop
 
     def observe_tree_gate(self, req: Request) -> None:
-        """Tell the tree gate (:class:`dspine.trees.gate.TreeGate`) how ``req``'s last cycle
+        """Tell the tree gate (:class:`dspine.control.tree_gate.TreeGate`) how ``req``'s last cycle
         went, when it drafted (a tree or a chain of its source)."""
         c = req.cycles[-1] if req.cycles else None
         if self.tree_gate is not None and c is not None and c.n > 0:
@@ -503,9 +506,9 @@ class Engine:
                 "target_runtime": getattr(self.target, "runtime_name", "hf"),
                 "decode_path": getattr(getattr(self.target, "runtime", None), "decode_path", "python"),
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
-                "verify_policy": getattr(self.verify_policy, "name", "fixed") if self.proposer else None,
+                "verify_policy": self.verify_policy.name if self.proposer else None,
                 "draft_tree": self.tree_info()}
-        if self.tree_gate is not None:  # trees or chains, as measured so far (trees/gate.py)
+        if self.tree_gate is not None:  # trees or chains, as measured so far (control/tree_gate.py)
             info["tree_gate"] = self.tree_gate.describe()
         info.update(prop)
         return info

@@ -14,7 +14,7 @@ from dspine.argtypes import PROPOSER_NAMES as PROPOSERS  # the --proposer values
 from dspine.proposers.base import Plan, Proposal, Proposer
 from dspine.proposers.cache import MIN_TOKENS, OutputCache
 from dspine.proposers.drafter import DraftContextCache, DrafterProposer, propose_batch
-from dspine.proposers.hybrid import MAX_COPY_BONUS, HybridProposer, HybridState
+from dspine.proposers.copy_or_draft import MAX_COPY_BONUS, HybridProposer, HybridState
 from dspine.proposers.ngram import NgramIndex, NgramProposer
 
 

@@ -127,7 +127,7 @@ class Proposer:
         cycle's planned source) makes chains only; the engine then calls :meth:`propose`.
         Every node must carry the exact q it was drawn from (see :mod:`dspine.trees`).
         ``trim``: optional ``trim(tree, draft_s) -> tree`` applied to a greedy best-first
-        tree before anything is grafted on (:meth:`dspine.trees.sizer.TreeSizer.trim`)."""
+        tree before anything is grafted on (:meth:`dspine.control.tree_sizer.TreeSizer.trim`)."""
         return None
 
     def propose_many(self, reqs: list, positions: list[int], ns: list[int]) -> list[Proposal]:

@@ -57,7 +57,7 @@ class TreeSpec:
     sampled_shape: the static widths sampled decoding uses when ``shape`` is None.
     size: ``fixed`` (verify every node the budget allows) or ``cost`` (greedy best-first
         trees: verify the prefix that maximizes expected tokens per second,
-        :class:`dspine.trees.sizer.TreeSizer`; needs the cost verification policy's curve).
+        :class:`dspine.control.tree_sizer.TreeSizer`; needs the cost verification policy's curve).
     Raises:
         ValueError: a budget that is not an integer in 0..MAX_TREE_BUDGET (naming
             ``--tree-budget``), or widths that are not integers >= 1 (naming ``--tree-shape``).

@@ -61,7 +61,7 @@ def cmd_tune(args) -> int:
         return show(args.device, args.json)
 
     from dspine.cli.main import build_engine
-    from dspine.control.policy import measure_cost
+    from dspine.tune.cost import measure_cost
     from dspine.tune import store
     from dspine.tune.choose import choose_fastest
     from dspine.tune.dtype import choose_forward_dtype

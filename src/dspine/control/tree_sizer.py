@@ -19,7 +19,7 @@ of acceptance, so verified nodes are binned by ``p`` and each bin keeps a decaye
 nodes and of accepted ones, with a prior of ``prior_scale * p`` worth ``prior_weight`` nodes.
 
 Cost ``V(t)``: the measured cost curve of the verification policy (a target forward over
-1..16 tokens, :func:`dspine.control.policy.measure_cost`), extended linearly beyond its end with
+1..16 tokens, :func:`dspine.tune.cost.measure_cost`), extended linearly beyond its end with
 the slope of its upper half, times the ratio of observed to predicted times of completed
 tree cycles (decayed), so the machine's load is followed.
 
@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from dspine.control.estimator import DecayedCells, DecisionLog, best_rate, decay_factor
 from dspine.trees.tree import DraftTree
 
 BIN_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0)
@@ -45,7 +46,7 @@ class TreeSizer:
 
     Args:
         verify_s: target forward seconds over t = 1, 2, ... tokens (``verify_s[t - 1]``,
-            e.g. :attr:`dspine.control.policy.CostCurve.verify_s`); at least one value.
+            e.g. :attr:`dspine.control.cost_curve.CostCurve.verify_s`); at least one value.
         prior_scale, prior_weight: the calibration prior ``a(p) = prior_scale * p`` worth
             ``prior_weight`` nodes per bin.
         half_life: decay of the calibration counts and of the observed/predicted time
@@ -66,13 +67,11 @@ class TreeSizer:
         half = len(vs) // 2
         self.slope = max(0.0, (vs[-1] - vs[half]) / (len(vs) - 1 - half)) if len(vs) - 1 > half else 0.0
         self.prior_scale, self.prior_weight = prior_scale, prior_weight
-        self.decay = 0.5 ** (1.0 / half_life)
-        nb = len(BIN_EDGES) - 1
-        self.n = [0.0] * nb  # decayed verified nodes per bin
-        self.acc = [0.0] * nb  # decayed accepted nodes per bin
+        self.decay = decay_factor(half_life)
+        self.calibration = DecayedCells(half_life)  # bin -> decayed accepted nodes and verified nodes
         self.time_obs = self.time_pred = 0.0  # decayed observed / predicted verification seconds
         self.min_nodes = min_nodes
-        self.chosen: list[int] = []  # recent choices (for stats), bounded
+        self.chosen = DecisionLog(4096)  # recent choices (for stats)
 
     # model ---------------------------------------------------------------------------------
     @staticmethod
@@ -88,8 +87,8 @@ class TreeSizer:
             return 0.0
         p = min(max(p, 0.0), 1.0)
         b = self._bin(p)
-        w = self.prior_weight
-        return (self.acc[b] + w * self.prior_scale * p) / (self.n[b] + w) if self.n[b] + w > 0 else 0.0
+        w, n = self.prior_weight, self.calibration.weight(b)
+        return (self.calibration.total(b) + w * self.prior_scale * p) / (n + w) if n + w > 0 else 0.0
 
     def predicted_verify_s(self, tokens: int) -> float:
         """The measured curve at ``tokens`` (linear beyond its end), before the load ratio."""
@@ -109,15 +108,10 @@ class TreeSizer:
         N = tree.size
         if tree.path_prob is None or N <= self.min_nodes:
             return N
-        best, best_rate = N, -1.0
         expected = prefix_tokens_expected(tree, self).tolist()
-        for m in range(self.min_nodes, N + 1):
-            rate = expected[m - 1] / (max(draft_s, 0.0) + self.verify_cost(m + 1))
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = m, rate
+        best = best_rate(range(self.min_nodes, N + 1), lambda m: expected[m - 1],
+                         lambda m: max(draft_s, 0.0) + self.verify_cost(m + 1), default=N)
         self.chosen.append(best)
-        if len(self.chosen) > 4096:
-            del self.chosen[:2048]
         return best
 
     def trim(self, tree: DraftTree, draft_s: float = 0.0) -> DraftTree:
@@ -129,16 +123,16 @@ class TreeSizer:
         drafter estimate (accepted iff on ``accepted_path``, the verified nodes' indices)
         and the time model with the forward's measured ``verify_s`` seconds."""
         d = self.decay
-        self.n = [x * d for x in self.n]
-        self.acc = [x * d for x in self.acc]
+        self.calibration.scale(d)  # one decay per observed tree, however many nodes it has
         if tree.path_prob is not None:
             on_path = set(int(i) for i in accepted_path)
+            cal = self.calibration.cells
             for i, p in enumerate(tree.path_prob.tolist()):
                 if not math.isfinite(p):
                     continue  # a copied node (no drafter estimate)
-                b = self._bin(min(max(p, 0.0), 1.0))
-                self.n[b] += 1.0
-                self.acc[b] += float(i in on_path)
+                c = cal.setdefault(self._bin(min(max(p, 0.0), 1.0)), [0.0, 0.0])
+                c[0] += float(i in on_path)
+                c[1] += 1.0
         if verify_s > 0 and math.isfinite(verify_s):
             self.time_obs = self.time_obs * d + verify_s
             self.time_pred = self.time_pred * d + self.predicted_verify_s(tree.size + 1)

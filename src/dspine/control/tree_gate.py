@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from dspine.control.estimator import DecayedCells
+
 
 class TreeGate:
     """Chooses between a draft tree and a chain for a drafting cycle (module docstring).
@@ -34,29 +36,27 @@ class TreeGate:
     def __init__(self, half_life: float = 64.0, warmup: int = 4, explore_every: int = 8):
         if not half_life > 0 or warmup < 0 or explore_every < 0:
             raise ValueError("TreeGate: half_life > 0, warmup >= 0 and explore_every >= 0")
-        self.decay = 0.5 ** (1.0 / half_life) if math.isfinite(half_life) else 1.0
+        self.half_life = half_life
         self.warmup, self.explore_every = int(warmup), int(explore_every)
-        # source -> kind ("tree" / "chain") -> [decayed tokens, decayed seconds, cycles observed]
-        self.sums: dict[str, dict[str, list[float]]] = {}
+        # source -> (kind -> decayed tokens and seconds), decaying with the source's cycles
+        self.sums: dict[str, DecayedCells] = {}
+        self.counts: dict[tuple[str, str], int] = {}  # (source, kind) -> cycles observed
         self.decisions: dict[str, int] = {}  # source -> decisions taken
         self.trees = self.chains = 0  # drafting cycles observed of each kind
 
-    def _kinds(self, source: str) -> dict[str, list[float]]:
-        return self.sums.setdefault(source, {"tree": [0.0, 0.0, 0], "chain": [0.0, 0.0, 0]})
-
     def rate(self, source: str, kind: str) -> float:
-        """Observed tokens per second of ``kind`` cycles of ``source`` (0 when none)."""
-        tok, sec, _ = self._kinds(source)[kind]
-        return tok / sec if sec > 0 else 0.0
+        """Observed tokens per second of ``kind`` cycles of ``source`` (0 when none): the
+        decayed tokens over the decayed seconds."""
+        cells = self.sums.get(source)
+        return cells.mean(kind) if cells is not None else 0.0
 
     def choose(self, source: str) -> bool:
         """Whether this drafting cycle of ``source`` should draft a tree."""
-        kinds = self._kinds(source)
         k = self.decisions.get(source, 0)
         self.decisions[source] = k + 1
-        if kinds["tree"][2] < self.warmup:
+        if self.counts.get((source, "tree"), 0) < self.warmup:
             tree = True
-        elif kinds["chain"][2] < self.warmup:
+        elif self.counts.get((source, "chain"), 0) < self.warmup:
             tree = False
         else:
             tree = self.rate(source, "tree") > self.rate(source, "chain")
@@ -70,18 +70,13 @@ class TreeGate:
         non-positive times are ignored."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
-        kinds = self._kinds(source)
-        for s in kinds.values():
-            s[0] *= self.decay
-            s[1] *= self.decay
+        kind = "tree" if tree else "chain"
         if tree:
             self.trees += 1
         else:
             self.chains += 1
-        s = kinds["tree" if tree else "chain"]
-        s[0] += float(tokens)
-        s[1] += float(seconds)
-        s[2] += 1
+        self.sums.setdefault(source, DecayedCells(self.half_life)).add(kind, float(tokens), float(seconds))
+        self.counts[(source, kind)] = self.counts.get((source, kind), 0) + 1
 
     def describe(self) -> dict:
         """Per source, the observed tokens per second of each kind, and the cycles of each."""
