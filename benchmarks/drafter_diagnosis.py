@@ -197,7 +197,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
     from dspine.data.build import load_dataset
     from dspine.drafter.checkpoint import load_drafter
     from dspine.drafter.vocab import resolve

@@ -79,7 +79,7 @@ def main() -> int:
     if len({n for n, _ in variants}) < len(variants):
         ap.error("--variants: two variants have the same name")
     torch.set_num_threads(args.threads)
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
     from dspine.data.build import load_dataset
     from dspine.drafter.checkpoint import load_drafter
     from dspine.drafter.vocab import resolve

@@ -63,7 +63,7 @@ def test_ragged_forward_is_bitwise_each_requests_own_forward(smol_lean, monkeypa
 def test_batched_greedy_on_the_lean_path_equals_the_single_request_engine(smol_lean, mode, monkeypatch):
     from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
     from dspine.proposers import make_proposer
 
     t = smol_lean
@@ -127,7 +127,7 @@ def test_ragged_tree_forward_is_bitwise_each_requests_own_tree_forward(smol_lean
 
 
 def _tree_engine(t):
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
     from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
     from dspine.proposers import make_proposer

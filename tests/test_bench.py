@@ -243,9 +243,9 @@ def test_exit_status_is_1_when_requests_failed(tmp_path, monkeypatch, capsys):
 
 
 def test_full_run_needs_drafters(monkeypatch):
-    import dspine.cli.main
+    import dspine.build
 
-    monkeypatch.setattr(dspine.cli.main, "default_drafter_path", lambda t, m: None)
+    monkeypatch.setattr(dspine.build, "default_drafter_path", lambda t, m: None)
     with pytest.raises(H.BenchError, match="--drafter-dspine PATH"):
         H.resolve_drafters(H.BenchConfig(modes=("ar", "dspine")))
     assert H.resolve_drafters(H.smoke_config())["dspine"] == "random"
@@ -388,7 +388,7 @@ def test_smoke_cli(tmp_path):
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup.png").exists()
     import hashlib
     from dspine.drafter.checkpoint import read_card
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
     for m in ("dspine", "dflash"):  # the report names which weights ran, not only their path
         d = default_drafter_path("smollm2-135m", m)
         sha = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()[:16]

@@ -11,8 +11,10 @@ import json
 
 import pytest
 
+from dspine.config import SpeculativeConfig
 from dspine.core.batch import BatchEngine
-from dspine.cli.main import build_engine, main
+from dspine.build import build_engine
+from dspine.cli.main import main
 from dspine.config import ConfigError, DSpineConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +37,9 @@ def ar_ids():
     """``ar``'s greedy ids per target (built once)."""
     out = {}
     for name in TARGETS:
-        target, eng = build_engine(name, None, "ar")
+        target, eng = build_engine(SpeculativeConfig(target=name, drafter=None, mode="ar",
+                                                     verify_policy="fixed", proposer="drafter",
+                                                     linear_backend="aten", tree_budget=0))
         out[name] = eng.generate(target.encode_prompt(PROMPT), max_new_tokens=NEW).token_ids
     return out
 
@@ -57,8 +61,9 @@ def test_generate_every_block_size_equals_ar(capsys, ar_ids, target, block):
 @pytest.mark.parametrize("block", [2, 3])
 def test_serve_small_blocks_equals_ar(ar_ids, target, block):
     """The batched engine (what ``dspine serve`` runs) with two requests at once."""
-    t, eng = build_engine(target, "random", "dspine", block_size=block, verify_policy="cost",
-                          proposer="hybrid", concurrency=2)
+    t, eng = build_engine(SpeculativeConfig(target=target, drafter="random", mode="dspine", block_size=block,
+                                            verify_policy="cost", proposer="hybrid", concurrency=2,
+                                            linear_backend="aten", tree_budget=0))
     ids = t.encode_prompt(PROMPT)
     res = BatchEngine(eng, 2).generate_many([ids, ids], max_new_tokens=[NEW, NEW])
     assert [r.token_ids for r in res] == [ar_ids[target]] * 2

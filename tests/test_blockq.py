@@ -216,7 +216,7 @@ def test_real_target_packs_exactly_and_decodes_as_ar(smol):
     ar with PyTorch's linears, and the shipped DSpine drafter (cost policy, trees) equals ar
     on blockq, token for token, float32; switching back restores the layers."""
     _kernels_or_skip()
-    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.build import DEFAULT_CHECKPOINTS
     from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
     from dspine.control.policy import make_policy

@@ -99,7 +99,7 @@ def test_acceptance_mode_mismatch(capsys, ckpts):
 
 def test_mode_mismatch(capsys, ckpts):
     code, out, err = cli(capsys, *_gen("--drafter", ckpts["dflash"], "--mode", "dspine"))
-    assert_error(code, err, "--mode dspine", "dflash")
+    assert_error(code, err, "--mode 'dspine'", "dflash")
 
 
 def test_missing_and_corrupt_weights(capsys, ckpts, tmp_path):

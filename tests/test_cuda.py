@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspine.config import SpeculativeConfig
 from dspine.config import DSpineConfig, SamplingConfig
 from dspine.target.adapter import load_target
 from dspine.train.loop import TrainConfig, Trainer
@@ -21,13 +22,16 @@ def test_checkpoint_greedy_equals_ar_on_cuda(tmp_path, mode):
     """A drafter checkpoint loaded by the CLI path runs on CUDA and stays lossless;
     the oracle drafter (target's own continuation) exercises long accepted blocks."""
     from conftest import OracleProposer
-    from dspine.cli.main import build_engine
+    from dspine.build import build_engine
     from dspine.drafter.checkpoint import random_drafter, save_drafter
     from dspine.core.engine import Engine
 
     cpu_target = load_target("random:llama", vocab_size=256)
     save_drafter(random_drafter(cpu_target, mode=mode), tmp_path / "ckpt", dtype=torch.float32)
-    target, eng = build_engine("random:llama", str(tmp_path / "ckpt"), mode, "float32", device="cuda")
+    target, eng = build_engine(SpeculativeConfig(target="random:llama", drafter=str(tmp_path / "ckpt"),
+                                                 mode=mode, dtype="float32", device="cuda",
+                                                 verify_policy="fixed", proposer="drafter",
+                                                 linear_backend="aten", tree_budget=0))
     assert target.device.type == "cuda"
     assert {p.device.type for p in eng.proposer.drafter.parameters()} == {"cuda"}
     ids = list(range(3, 40))

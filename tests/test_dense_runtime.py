@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspine.config import ConfigError, SpeculativeConfig
 from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine, EngineError
@@ -90,10 +91,14 @@ def test_refusals_name_the_setting():
     assert "sliding" in (runtime_support(sw.model) or "")
     with pytest.raises(ValueError, match="--runtime dense"):
         sw.set_runtime("dense")
-    from dspine.cli.main import build_engine
-    with pytest.raises(EngineError, match="--runtime 'fast'"):
-        build_engine("random:llama", None, "ar", runtime="fast")
-    t, eng = build_engine("random:llama", None, "ar")
+    from dspine.build import build_engine
+    with pytest.raises(ConfigError, match="SpeculativeConfig.runtime 'fast' is unknown"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter=None, mode="ar", runtime="fast",
+                                       verify_policy="fixed", proposer="drafter", linear_backend="aten",
+                                       tree_budget=0))
+    t, eng = build_engine(SpeculativeConfig(target="random:llama", drafter=None, mode="ar",
+                                            verify_policy="fixed", proposer="drafter", linear_backend="aten",
+                                            tree_budget=0))
     assert t.runtime_name == "dense" and eng.kernel_info()["target_runtime"] == "dense"
 
 
@@ -105,7 +110,7 @@ def test_greedy_equal_to_ar_on_real_target_single_and_batched(smol):
     """float32, the shipped DSpine drafter, the default hybrid proposer and cost policy, all
     on the dense runtime: the engine and the batched engine give ``ar``'s ids (``ar`` on
     transformers' forward as the reference)."""
-    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.build import DEFAULT_CHECKPOINTS
     from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
     from dspine.control.policy import make_policy

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from dspine.config import SpeculativeConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.drafter.vocab import (FILE, DraftVocabError, coverage, frequent_tokens, load_draft_vocab, resolve,
@@ -82,10 +83,11 @@ def test_subset_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkey
 
 
 def test_shipped_subset_greedy_equals_ar_on_the_real_target():
-    from dspine.cli.main import build_engine
+    from dspine.build import build_engine
 
-    target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
-                               draft_vocab="subset")
+    target, eng = build_engine(SpeculativeConfig(target="smollm2-135m", drafter=None, mode="dspine",
+                                                 verify_policy="fixed", proposer="drafter",
+                                                 draft_vocab="subset", linear_backend="aten", tree_budget=0))
     sub = eng.proposer.qhead.ids
     assert eng.proposer.kernel_info()["draft_vocab"] == sub.numel() < target.vocab_size
     assert_greedy_equals_ar(target, eng)

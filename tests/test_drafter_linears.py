@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspine.config import SpeculativeConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.runtime import blockq as B
 from dspine.runtime.blockq import BlockQLinear
@@ -70,9 +71,11 @@ def test_q8_drafter_sampling_matches_target_and_a_broken_verifier_fails(tiny, mo
 
 def test_q8_drafter_greedy_equals_ar_on_the_real_target():
     _kernels_or_skip()
-    from dspine.cli.main import build_engine
+    from dspine.build import build_engine
 
-    target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
-                               drafter_linears="q8", linear_backend="blockq")
+    target, eng = build_engine(SpeculativeConfig(target="smollm2-135m", drafter=None, mode="dspine",
+                                                 verify_policy="fixed", proposer="drafter",
+                                                 drafter_linears="q8", linear_backend="blockq",
+                                                 tree_budget=0))
     assert eng.proposer.linears == "q8"
     assert_greedy_equals_ar(target, eng)

@@ -58,7 +58,7 @@ COPY_PROMPT = ("Repeat this function exactly, then explain it in one sentence:\n
 
 @pytest.fixture(scope="module")
 def shipped_dspine(smol):
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
 
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 

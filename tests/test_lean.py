@@ -83,7 +83,7 @@ def test_lean_agrees_with_the_python_path_and_a_wrong_plan_does_not(smol_lean):
 def test_greedy_equal_to_ar_on_the_lean_path(smol_lean):
     """ar, and DSpine verifying full chains (16 rows) and trees of 8 nodes every cycle, on the
     lean path: the same tokens, and the same as ar on the Python path."""
-    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.build import DEFAULT_CHECKPOINTS
     from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
     from dspine.trees import TreeSpec

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import assert_greedy_equals_ar
+from dspine.config import SpeculativeConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
@@ -86,10 +87,11 @@ def test_where_the_lean_forward_does_not_run(tiny256, monkeypatch):
 
 def test_lean_drafter_greedy_equals_ar_on_the_real_target():
     _kernels_or_skip()
-    from dspine.cli.main import build_engine
+    from dspine.build import build_engine
 
-    target, eng = build_engine("smollm2-135m", None, "dspine", verify_policy="fixed", proposer="drafter",
-                               drafter_linears="q8")
+    target, eng = build_engine(SpeculativeConfig(target="smollm2-135m", drafter=None, mode="dspine",
+                                                 verify_policy="fixed", proposer="drafter",
+                                                 drafter_linears="q8", linear_backend="aten", tree_budget=0))
     assert eng.proposer.drafter._lean is not None
     assert_greedy_equals_ar(target, eng)
 

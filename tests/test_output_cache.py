@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ar_continuation
+from dspine.config import SpeculativeConfig
 from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import load_drafter, random_drafter
@@ -116,22 +117,33 @@ def test_settings_refused():
 
 
 def test_build_engine_refuses_cache_without_copies():
-    from dspine.cli.main import build_engine
-    from dspine.core.engine import EngineError
+    from dspine.build import build_engine
+    from dspine.config import ConfigError
 
-    with pytest.raises(EngineError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
-        build_engine("random:llama", "random", "dspine", proposer="drafter", ngram_cache_tokens=100)
-    with pytest.raises(EngineError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
-        build_engine("random:llama", None, "ar", proposer="hybrid", ngram_cache_tokens=100)
-    with pytest.raises(EngineError, match="--ngram-cache-tokens must be >= 0"):
-        build_engine("random:llama", "random", "dspine", proposer="hybrid", ngram_cache_tokens=-5)
-    with pytest.raises(EngineError, match="--ngram-cache-tokens must be 0 \\(off\\) or >= 2"):
-        build_engine("random:llama", "random", "dspine", proposer="hybrid", ngram_cache_tokens=1)
-    with pytest.raises(EngineError, match="--ngram-cache-tokens needs --ngram-max >= 2"):
-        build_engine("random:llama", "random", "dspine", proposer="ngram", ngram_max=1, ngram_min=1,
-                     ngram_cache_tokens=50)
-    with pytest.raises(EngineError, match="--copy-bonus must be in 0..10000"):
-        build_engine("random:llama", "random", "dspine", proposer="hybrid", copy_bonus=1e39)
+    with pytest.raises(ConfigError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
+                                       proposer="drafter", ngram_cache_tokens=100, verify_policy="fixed",
+                                       linear_backend="aten", tree_budget=0))
+    with pytest.raises(ConfigError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter=None, mode="ar", proposer="hybrid",
+                                       ngram_cache_tokens=100, verify_policy="fixed", linear_backend="aten",
+                                       tree_budget=0))
+    with pytest.raises(ConfigError, match="SpeculativeConfig.ngram_cache_tokens -5 must be an integer >= 0"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
+                                       proposer="hybrid", ngram_cache_tokens=-5, verify_policy="fixed",
+                                       linear_backend="aten", tree_budget=0))
+    with pytest.raises(ConfigError, match="--ngram-cache-tokens must be 0 \\(off\\) or >= 2"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
+                                       proposer="hybrid", ngram_cache_tokens=1, verify_policy="fixed",
+                                       linear_backend="aten", tree_budget=0))
+    with pytest.raises(ConfigError, match="--ngram-cache-tokens needs --ngram-max >= 2"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
+                                       proposer="ngram", ngram_max=1, ngram_min=1, ngram_cache_tokens=50,
+                                       verify_policy="fixed", linear_backend="aten", tree_budget=0))
+    with pytest.raises(ConfigError, match="--copy-bonus must be in 0..10000"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
+                                       proposer="hybrid", copy_bonus=1e39, verify_policy="fixed",
+                                       linear_backend="aten", tree_budget=0))
 
 
 # -- greedy equality on the real target --------------------------------------------------------------
@@ -140,7 +152,7 @@ M_REAL = 24
 
 @pytest.fixture(scope="module")
 def shipped_dspine(smol):
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
 
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 

@@ -154,7 +154,7 @@ M_REAL = 40
 
 @pytest.fixture(scope="module")
 def shipped_dspine(smol):
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
 
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 

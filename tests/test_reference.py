@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import random_proposer
-from dspine.cli.main import default_drafter_path
+from dspine.build import default_drafter_path
 from dspine.config import SamplingConfig
 from dspine.core.reference import reference_generate
 from dspine.drafter.checkpoint import load_drafter

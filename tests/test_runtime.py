@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from dspine.cli.main import DEFAULT_CHECKPOINTS
+from dspine.config import SpeculativeConfig
+from dspine.build import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
@@ -142,8 +143,10 @@ def test_real_measurement_runs(tiny256):
 
 
 def test_build_engine_reports_the_backend():
-    from dspine.cli.main import build_engine
-    t, eng = build_engine("random:llama", "random", "dspine", linear_backend="onednn", block_size=4)
+    from dspine.build import build_engine
+    t, eng = build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
+                                            linear_backend="onednn", block_size=4, verify_policy="fixed",
+                                            proposer="drafter", tree_budget=0))
     res = eng.generate([3, 4, 5, 6], SamplingConfig(), 8)
     assert res.stats.kernels["linear_backend"] == "onednn" and is_packed(t.model)
     ref = Engine(t, None, "ar").generate([3, 4, 5, 6], SamplingConfig(), 8)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import KnownContinuation
+from dspine.config import SpeculativeConfig
 from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
@@ -509,11 +510,15 @@ def test_cost_policy_server_greedy_equals_single_ar(ar):
 
 def test_real_target_greedy_equals_cli(capsys):
     """Default target smollm2-135m (float32), short outputs: batched dspine == `dspine generate --mode ar`."""
-    from dspine.cli.main import build_engine, main
+    from dspine.build import build_engine
+    from dspine.cli.main import main
     from dspine.target.registry import TargetError
 
     try:
-        target, eng = build_engine("smollm2-135m", "random", "dspine", "float32")
+        target, eng = build_engine(SpeculativeConfig(target="smollm2-135m", drafter="random", mode="dspine",
+                                                     dtype="float32", verify_policy="fixed",
+                                                     proposer="drafter", linear_backend="aten",
+                                                     tree_budget=0))
     except (TargetError, OSError, ValueError) as e:  # assets unavailable
         pytest.skip(f"default target unavailable: {e}")
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]

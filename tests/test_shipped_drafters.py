@@ -29,7 +29,7 @@ import dspine.core.batch
 import dspine.core.engine
 from conftest import ar_continuation
 from dspine.core.batch import BatchEngine
-from dspine.cli.main import default_drafter_path
+from dspine.build import default_drafter_path
 from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer

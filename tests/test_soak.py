@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from dspine.config import SpeculativeConfig
 from dspine.core.batch import BatchEngine
-from dspine.cli.main import build_engine
+from dspine.build import build_engine
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
 from dspine.serve import ServerThread, create_app
@@ -18,8 +19,10 @@ MODEL = "random:llama"
 
 
 def test_short_soak_loses_nothing_and_leaks_nothing():
-    target, eng = build_engine(MODEL, "random", "dspine", verify_policy="cost", proposer="hybrid",
-                               concurrency=4, ngram_cache_tokens=2000)
+    target, eng = build_engine(SpeculativeConfig(target=MODEL, drafter="random", mode="dspine",
+                                                 verify_policy="cost", proposer="hybrid", concurrency=4,
+                                                 ngram_cache_tokens=2000, linear_backend="aten",
+                                                 tree_budget=0))
     app = create_app(BatchEngine(eng, 4), MODEL, max_queue=64, api_keys=APIKeys({"soak": None}))
     with ServerThread(app) as srv:
         res = soak(srv.url, n=10 * len(KINDS), clients=8, seed=1, api_key="soak", rss=rss_of())
@@ -42,7 +45,9 @@ def test_short_soak_loses_nothing_and_leaks_nothing():
 def test_soak_catches_a_wrong_answer(monkeypatch):
     """Negative control: a server whose batched answers differ from its single-request ones
     (here: every reply after the references is cut by one character) fails the soak."""
-    target, eng = build_engine(MODEL, None, "ar", concurrency=2)
+    target, eng = build_engine(SpeculativeConfig(target=MODEL, drafter=None, mode="ar", concurrency=2,
+                                                 verify_policy="fixed", proposer="drafter",
+                                                 linear_backend="aten", tree_budget=0))
     app = create_app(BatchEngine(eng, 2), MODEL)
     import dspine.serve.soak as soak_mod
 

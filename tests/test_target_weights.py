@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from conftest import random_proposer
+from dspine.config import SpeculativeConfig
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
 from dspine.runtime import blockq
@@ -53,11 +54,13 @@ def test_as_is_changes_nothing_and_bad_settings_are_refused():
     assert quantize_target(t, "as-is") == 0 and torch.equal(_linears(t)[0].weight, w) and "+" not in t.name
     with pytest.raises(ValueError, match="--target-weights 'int3'"):
         quantize_target(t, "int3")
-    from dspine.cli.main import build_engine
-    from dspine.core.engine import EngineError
+    from dspine.build import build_engine
+    from dspine.config import ConfigError
 
-    with pytest.raises(EngineError, match="--target-weights"):
-        build_engine("random:llama", "random", "dspine", target_weights="int3")
+    with pytest.raises(ConfigError, match="SpeculativeConfig.target_weights 'int3' is unknown"):
+        build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
+                                       target_weights="int3", verify_policy="fixed", proposer="drafter",
+                                       linear_backend="aten", tree_budget=0))
 
 
 def test_greedy_dspine_equals_ar_on_the_quantized_target():

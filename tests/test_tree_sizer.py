@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import ar_continuation, random_proposer
-from dspine.cli.main import default_drafter_path
+from dspine.build import default_drafter_path
 from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer

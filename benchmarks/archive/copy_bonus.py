@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspine.cli.main import DEFAULT_CHECKPOINTS
+from dspine.build import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
 from dspine.data.build import encode_record
 from dspine.data.sources import heldout_prompts

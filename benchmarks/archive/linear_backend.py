@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dspine.cli.main import DEFAULT_CHECKPOINTS
+from dspine.build import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer

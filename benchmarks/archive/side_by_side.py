@@ -17,7 +17,7 @@ from dspine.data.sources import heldout_prompts
 def load_smollm2_dense(linear_backend: str = "auto"):
     """The default target in float32 on the dense runtime with ``linear_backend`` applied,
     and the shipped DSpine drafter bound to it: (target, backend used, drafter)."""
-    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.build import DEFAULT_CHECKPOINTS
     from dspine.drafter.checkpoint import load_drafter
     from dspine.runtime.packed import apply_linear_backend
     from dspine.target.adapter import load_target

@@ -58,7 +58,7 @@ def main() -> None:
         specs["fixed8"] = TreeSpec(8)
     for b in a.budgets.split(","):  # sized trees, with the tree gate (the default) and without it
         specs[f"cost{b}"] = specs[f"cost{b}-always"] = TreeSpec(int(b), size="cost")
-    from dspine.cli.main import DEFAULT_CHECKPOINTS
+    from dspine.build import DEFAULT_CHECKPOINTS
     from dspine.drafter.vocab import resolve
 
     vocab = resolve(a.draft_vocab, DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", drafter.cfg.vocab_size,

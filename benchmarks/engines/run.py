@@ -50,13 +50,16 @@ def prompts(target, n: int) -> list[dict]:
 def run_dspine(drafter: str, ps: list[dict], max_tokens: int, threads: int) -> dict:
     import torch
 
-    from dspine.cli.main import build_engine
+    from dspine.build import build_engine
+    from dspine.config import SpeculativeConfig
 
     torch.set_num_threads(threads)
     res = {}
     for mode in ("ar", "dflash"):
-        target, eng = build_engine("smollm2-135m", drafter if mode == "dflash" else None, mode,
-                                   proposer="drafter", verify_policy="fixed", tree=None)
+        target, eng = build_engine(SpeculativeConfig(target="smollm2-135m",
+                                                     drafter=drafter if mode == "dflash" else None, 
+                                                     mode=mode, proposer="drafter", verify_policy="fixed",
+                                                     linear_backend="aten", tree_budget=0))
         with torch.no_grad():
             eng.generate(ps[0]["ids"], max_new_tokens=8)  # warm-up
             rows = []

@@ -1,5 +1,7 @@
 """Configuration dataclasses, validated on construction.
 
+:class:`SpeculativeConfig` holds every setting of an engine and its default, once.
+
 :class:`DSpineConfig` describes a drafter (spec sections 2-4); profiles:
 ``release`` (the released 27B-target checkpoint's dimensions, spec section 2) and
 ``small`` (for the default target SmolLM2-135M). ``bridge=False, final_stage=False,
@@ -15,9 +17,24 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, MAX_TREE_BUDGET, PROPOSER_NAMES, TREE_SIZES
+
+#: the engine modes (``ar`` = the target alone; the drafters' architectures)
+ENGINE_MODES = ("ar", "dflash", "dspine")
+#: verification-length controllers by name (:func:`dspine.control.policy.make_policy`)
+VERIFY_POLICIES = ("fixed", "cost")
+
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+    """A configuration value is invalid; the message names the field.
+
+    ``field``: the field's name when one field is at fault (a command line adds its flag,
+    ``--`` + the name with ``-``), else None.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 MAX_BLOCK_SIZE = 64  # largest block a drafter may have (spec default 16; memory grows with B)
@@ -190,3 +207,112 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class SpeculativeConfig:
+    """Every setting of a speculative-decoding engine, each default given once here.
+
+    ``dspine generate`` / ``serve`` / ``bench`` map their flags onto these fields (a flag
+    is the field's name with ``-``, e.g. ``--verify-policy``); a library user gets the
+    same engine with :func:`dspine.build.build_engine` ``(SpeculativeConfig())``.
+
+    Fields:
+        target: a registered target name (``dspine.target.registry``) or ``random:<arch>``.
+        mode: ``ar`` (no drafting), ``dspine`` or ``dflash`` (the drafter's architecture).
+        drafter: a checkpoint directory, ``random`` (untrained, seeded) or None (the
+            checkpoint shipped for ``target`` and ``mode``).
+        proposer: ``hybrid`` (a copy where the context repeats, the drafter elsewhere),
+            ``drafter`` or ``ngram`` (copies alone, no drafter loaded).
+        verify_policy: ``cost`` (verify as many proposals as pay off on this machine) or
+            ``fixed`` (the whole block every cycle).
+        dtype, device: of the target and the drafter.
+        block_size: the drafter's block (None: the checkpoint's).
+        seed: of a ``random`` drafter.
+        concurrency: the most requests decoded together (checked by the guards).
+        head_kernel, drafter_linears, draft_vocab: how the drafter proposes
+            (``auto``: measured on this machine; the output is the target's either way).
+        linear_backend, runtime, target_weights: how the target runs (``auto``: measured).
+        ngram_max, ngram_min: longest / shortest suffix match of a copy (tokens).
+        ngram_cache_tokens: > 0: a cross-request cache of earlier outputs for copies.
+        copy_bonus: fuse copies into the DSpine final stage with this score bonus (None: off).
+        tree_budget, tree_shape, tree_size: draft trees of the drafter modes (budget 0:
+            chains; shape ``dynamic`` or widths per depth ``4,2,1``; size ``fixed`` or
+            ``cost``), :class:`dspine.trees.TreeSpec`.
+        persist: the cost policy starts from (and may save) the acceptance profile of
+            earlier runs on this machine.
+
+    Raises:
+        ConfigError: a value of the wrong type or range; the message names the field
+            (:attr:`ConfigError.field`) and the value. Choices that depend on what is
+            installed (kernels, runtimes) are checked by ``build_engine``.
+    """
+
+    target: str = "smollm2-135m"
+    mode: str = "dspine"
+    drafter: str | None = None
+    proposer: str = "hybrid"
+    verify_policy: str = "cost"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int | None = None
+    seed: int = 0
+    concurrency: int = 1
+    head_kernel: str = "auto"
+    drafter_linears: str = "auto"
+    draft_vocab: str = "auto"
+    linear_backend: str = "auto"
+    runtime: str = "auto"
+    target_weights: str = "as-is"
+    ngram_max: int = 4
+    ngram_min: int = 1
+    ngram_cache_tokens: int = 0
+    copy_bonus: float | None = None
+    tree_budget: int = DEFAULT_TREE_BUDGET
+    tree_shape: str = "dynamic"
+    tree_size: str = DEFAULT_TREE_SIZE
+    persist: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            return ConfigError(f"SpeculativeConfig.{name} {getattr(self, name)!r} {why}", field=name)
+
+        for name in ("target", "mode", "proposer", "verify_policy", "dtype", "device", "head_kernel",
+                     "drafter_linears", "draft_vocab", "linear_backend", "runtime", "target_weights",
+                     "tree_shape", "tree_size"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad(name, "must be a non-empty string")
+        if self.drafter is not None and (not isinstance(self.drafter, str) or not self.drafter):
+            raise bad("drafter", "must be a path, 'random' or None")
+        if self.mode not in ENGINE_MODES:
+            raise bad("mode", f"is unknown; accepted: {', '.join(ENGINE_MODES)}")
+        if self.proposer not in PROPOSER_NAMES:
+            raise bad("proposer", f"is unknown; accepted: {', '.join(PROPOSER_NAMES)}")
+        if self.verify_policy not in VERIFY_POLICIES:
+            raise bad("verify_policy", f"is unknown; accepted: {', '.join(VERIFY_POLICIES)}")
+        if self.tree_size not in TREE_SIZES:
+            raise bad("tree_size", f"is unknown; accepted: {', '.join(TREE_SIZES)}")
+        ints = {"seed": 0, "concurrency": 1, "ngram_max": 1, "ngram_min": 1, "ngram_cache_tokens": 0,
+                "tree_budget": 0}
+        for name, lo in ints.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise bad(name, f"must be an integer >= {lo}")
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or not 2 <= self.block_size <= MAX_BLOCK_SIZE):
+            raise bad("block_size", f"must be None or an integer in 2..{MAX_BLOCK_SIZE}")
+        if self.ngram_min > self.ngram_max:
+            raise bad("ngram_min", f"must be <= ngram_max ({self.ngram_max})")
+        if self.tree_budget > MAX_TREE_BUDGET:
+            raise bad("tree_budget", f"must be at most {MAX_TREE_BUDGET}")
+        if self.copy_bonus is not None and (isinstance(self.copy_bonus, bool) or not isinstance(self.copy_bonus, (int, float))
+                                            or not (math.isfinite(self.copy_bonus) and self.copy_bonus >= 0)):
+            raise bad("copy_bonus", "must be None or a finite number >= 0")
+        if not isinstance(self.persist, bool):
+            raise bad("persist", "must be True or False")
+
+    def replace(self, **changes) -> "SpeculativeConfig":
+        """A copy with ``changes`` (validated again)."""
+        from dataclasses import replace
+
+        return replace(self, **changes)

@@ -144,7 +144,7 @@ def require_batched_engine(concurrency: int) -> None:
 
 def resolve_drafters(cfg: BenchConfig) -> dict:
     """Drafter per speculative mode: explicit > shipped checkpoint > random (smoke only)."""
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
 
     out = {}
     wanted = {drafter_kind(m) for m in cfg.modes}

@@ -184,7 +184,8 @@ class EngineRunner(Runner):
         super().__init__(target, threads)
         from dspine.drafter.checkpoint import load_drafter, random_drafter, read_card
         from dspine.core.engine import Engine, EngineError
-        from dspine.cli.engine_setup import drafter_engine
+        from dspine.build import drafter_engine
+        from dspine.config import SpeculativeConfig
         from dspine.control.policy import make_policy
         from dspine.proposers import make_proposer
 
@@ -222,9 +223,11 @@ class EngineRunner(Runner):
                 self.drafter_sha256 = sha256_file(w)[:16]
         self.block_size = model.cfg.block_size
         self.drafter_cfg = model.cfg
+        d = SpeculativeConfig()  # the copy settings the bench does not vary: generate's defaults
         self.engine = drafter_engine(target, model, drafter, kind, proposer=proposer, verify_policy=verify_policy,
                                      tree=tree, head_kernel=head_kernel, drafter_linears=drafter_linears,
-                                     draft_vocab=draft_vocab, progress=True)
+                                     draft_vocab=draft_vocab, ngram_max=d.ngram_max, ngram_min=d.ngram_min,
+                                     ngram_cache_tokens=d.ngram_cache_tokens, copy_bonus=d.copy_bonus, progress=True)
         drafting = getattr(self.engine.proposer, "drafter_proposer", self.engine.proposer)
         # what ran, as generate's --json stats.kernels says it: candidate pass per row count,
         # drafter linears and forward, draft vocabulary size; and the --head-kernel setting

@@ -10,18 +10,19 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
+from dataclasses import fields
 
+from dspine.build import build_engine
+from dspine.config import ConfigError, SpeculativeConfig
 from dspine.argtypes import (DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_int,
                        seed_int, thread_count)
 
-DEFAULT_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 #: ``generate`` / ``serve`` / ``bench`` default: verify only as many drafted tokens as pay
 #: off on this machine (plain target steps where none do), so the default never runs
 #: far slower than ``--mode ar`` (docs/decisions.md).
-DEFAULT_VERIFY_POLICY = "cost"
+DEFAULT_VERIFY_POLICY = SpeculativeConfig.verify_policy
 #: ``generate`` / ``serve`` / ``bench`` default proposer (docs/decisions.md)
-DEFAULT_PROPOSER = "hybrid"
+DEFAULT_PROPOSER = SpeculativeConfig.proposer
 
 
 def add_target_runtime_args(p: argparse.ArgumentParser, default: str | None = "auto", every_mode: bool = False) -> None:
@@ -46,7 +47,7 @@ def add_target_weights_arg(p: argparse.ArgumentParser) -> None:
     """``--target-weights`` of ``generate`` and ``serve`` (:mod:`dspine.runtime.weights`)."""
     from dspine.runtime.weights import TARGET_WEIGHTS
 
-    p.add_argument("--target-weights", default="as-is", choices=TARGET_WEIGHTS,
+    p.add_argument("--target-weights", default=SpeculativeConfig.target_weights, choices=TARGET_WEIGHTS,
                    help="as-is (default) | q8_0: round the target's linear layers to 8-bit Q8_0 blocks "
                         "(opt-in, for targets not converted from a GGUF: they then run on the blockq "
                         "kernels and the lean path); the output is then exactly that quantized target's "
@@ -61,9 +62,9 @@ def add_proposer_args(p: argparse.ArgumentParser) -> None:
                         "text where its last tokens repeat, the drafter elsewhere, chosen per cycle before "
                         "anything is drawn) | drafter (the drafter alone) | ngram (copies alone: prompt "
                         "lookup, no drafter)")
-    p.add_argument("--ngram-max", type=positive_int, default=4,
+    p.add_argument("--ngram-max", type=positive_int, default=SpeculativeConfig.ngram_max,
                    help="longest suffix of the context the copy proposer matches (tokens)")
-    p.add_argument("--ngram-min", type=positive_int, default=1,
+    p.add_argument("--ngram-min", type=positive_int, default=SpeculativeConfig.ngram_min,
                    help="shortest suffix match that offers a copy (tokens); the hybrid's cost policy "
                         "prices one-token matches apart from longer ones")
     p.add_argument("--copy-bonus", type=nonneg_float, default=None, metavar="B",
@@ -72,150 +73,21 @@ def add_proposer_args(p: argparse.ArgumentParser) -> None:
                         "(source 'fused'; exact); default off")
 
 
-def default_drafter_path(target: str, mode: str) -> Path | None:
-    """Shipped drafter for a named target and mode, or None when none is shipped."""
-    p = DEFAULT_CHECKPOINTS / f"{target}-{mode}"
-    return p if (p / "config.json").exists() else None
+def config_from_args(args, **overrides) -> SpeculativeConfig:
+    """The :class:`~dspine.config.SpeculativeConfig` of parsed flags: each field from the
+    flag of the same name (``--verify-policy`` -> ``verify_policy``) where the command has
+    it and it was given or has a default, else the field's own default; then
+    ``overrides``. A tree budget not given is the command's default
+    (:func:`dspine.argtypes.add_tree_args`).
 
-
-def build_engine(target_name: str, drafter: str | None, mode: str, dtype: str = "float32",
-                 block_size: int | None = None, seed: int = 0, device: str = "cpu",
-                 verify_policy: str = "fixed", concurrency: int = 1, head_kernel: str = "auto",
-                 progress: bool = False, persist: bool = False, linear_backend: str = "aten",
-                 proposer: str = "drafter", ngram_max: int = 4, ngram_min: int = 1, runtime: str = "auto",
-                 tree=None, ngram_cache_tokens: int = 0, copy_bonus: float | None = None,
-                 drafter_linears: str = "auto", draft_vocab: str = "auto", target_weights: str = "as-is"):
-    """Load target + drafter for ``mode`` and return ``(target, engine)``.
-
-    ``drafter``: a checkpoint directory, ``random`` (untrained, seeded), or None for
-    the shipped default of the target and mode. ``verify_policy``: ``fixed`` or
-    ``cost`` (:mod:`dspine.control.policy`). ``head_kernel``: the drafter's candidate-pass kernel,
-    ``auto`` (measured on this machine, cached) or int8 / bfloat16 / exact / blockq
-    (:mod:`dspine.tune.head`). ``progress``: say on stderr when a one-time measurement
-    runs. ``linear_backend``: the target's linear layers, ``aten`` (PyTorch's default),
-    ``onednn`` (pre-packed weights) or ``auto`` (measured, :mod:`dspine.runtime.packed`);
-    every mode of one process gets the same. ``runtime``: the target's forward, ``auto``
-    (the dense runtime where it supports the target), ``hf`` or ``dense``
-    (:mod:`dspine.runtime.select`). ``proposer``: ``drafter`` (the drafter
-    alone), ``ngram`` (copies of the request's own text, no drafter) or ``hybrid`` (a
-    copy where the context repeats, the drafter elsewhere; :mod:`dspine.proposers`), with
-    ``ngram_max`` / ``ngram_min`` the longest / shortest suffix match;
-    ``ngram_cache_tokens`` > 0: a cross-request cache of earlier outputs for the copies
-    (:mod:`dspine.proposers.cache`); ``copy_bonus``: the hybrid fuses copies into the DSpine
-    final stage (:class:`dspine.proposers.HybridProposer`). ``tree``: a
-    :class:`dspine.trees.TreeSpec` (draft trees of the drafter modes; None = chains).
-    ``drafter_linears``: the drafter's own linears, ``auto`` (measured), ``float32`` or ``q8``
-    (:mod:`dspine.tune.drafter`; the output stays the target's either way). ``draft_vocab``:
-    ``auto`` (the checkpoint's ``draft_vocab.json`` when it has one), ``full`` or ``subset``
-    (:mod:`dspine.drafter.vocab`). ``target_weights``: ``as-is`` or ``q8_0`` (the target's linears
-    rounded to Q8_0 blocks, :mod:`dspine.runtime.weights`; output then exact for that quantized
-    target). ``persist``: the cost policy starts from (and can save) the acceptance profile of
-    earlier runs on this machine (:func:`dspine.control.policy.make_policy`). Settings the
-    runtime has not validated are refused
-    before anything is loaded, and again against the loaded target/drafter
-    (:func:`dspine.guards.validate_runtime`).
     Raises:
-        ValueError subclasses naming the setting (target, drafter, block size, mode,
-        and the guards' :class:`~dspine.guards.GuardError`).
+        ConfigError: a value out of range, naming the field.
     """
-    import torch
-
-    from dspine.drafter.checkpoint import load_drafter, random_drafter
-    from dspine.core.engine import MODES, Engine, EngineError
-    from dspine.guards import resolve_device, validate_runtime
-    from dspine.control.policy import make_policy
-    from dspine.target.adapter import load_target, parse_dtype
-
-    from dspine.proposers import PROPOSERS, make_proposer
-
-    if mode not in MODES:
-        raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
-    from dspine.drafter.vocab import CHOICES as VOCAB_CHOICES
-
-    if draft_vocab not in VOCAB_CHOICES:
-        raise EngineError(f"--draft-vocab {draft_vocab!r} is unknown; accepted: {', '.join(VOCAB_CHOICES)}")
-    if proposer not in PROPOSERS:
-        raise EngineError(f"--proposer {proposer!r} is unknown; accepted: {', '.join(PROPOSERS)}")
-    from dspine.proposers.ngram import NgramIndex
-
-    if not 1 <= ngram_max <= NgramIndex.MAX_NGRAM:
-        raise EngineError(f"--ngram-max {ngram_max} must be in 1..{NgramIndex.MAX_NGRAM}")
-    if not 1 <= ngram_min <= ngram_max:
-        raise EngineError(f"--ngram-min {ngram_min} must be in 1..--ngram-max ({ngram_max})")
-    from dspine.proposers import check_copy_settings
-
-    try:
-        check_copy_settings(proposer, mode, ngram_cache_tokens, ngram_max, copy_bonus)
-    except ValueError as e:
-        raise EngineError(str(e)) from None
-    if device == "auto":  # as `dspine train --device auto`
-        device = str(resolve_device("auto"))
-    validate_runtime(None, None, dtype=dtype, device=device, concurrency=concurrency,
-                     verify_policy=verify_policy)  # settings alone, before loading anything
-    from dspine.tune.head import HEAD_KERNELS
-
-    if head_kernel not in ("auto", *HEAD_KERNELS):
-        raise EngineError(f"--head-kernel {head_kernel!r} is unknown; accepted: auto, {', '.join(HEAD_KERNELS)}")
-    dt = parse_dtype(dtype)
-    guard = dict(dtype=dt, device=device, concurrency=concurrency, verify_policy=verify_policy)
-    from dspine.runtime.packed import LINEAR_BACKENDS, apply_linear_backend
-
-    if linear_backend not in ("auto", *LINEAR_BACKENDS):
-        raise EngineError(f"--linear-backend {linear_backend!r} is unknown; accepted: auto, "
-                          f"{', '.join(LINEAR_BACKENDS)}")
-    from dspine.runtime.select import RUNTIMES, apply_runtime
-
-    if runtime not in ("auto", *RUNTIMES):
-        raise EngineError(f"--runtime {runtime!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")
-    from dspine.runtime.weights import TARGET_WEIGHTS, quantize_target
-
-    if target_weights not in TARGET_WEIGHTS:
-        raise EngineError(f"--target-weights {target_weights!r} is unknown; accepted: {', '.join(TARGET_WEIGHTS)}")
-    target = load_target(target_name, dtype=dt, device=device)
-
-    def set_up_target():  # after the guards' checks; the runtime first, so the backend is timed under it
-        try:
-            quantize_target(target, target_weights)  # opt-in: the quantized target is then the reference
-            apply_runtime(target, runtime)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        apply_linear_backend(target, linear_backend, progress=progress)
-
-    if mode == "ar":
-        validate_runtime(target, None, **guard)
-        set_up_target()
-        return target, Engine(target, None, "ar")
-    if proposer == "ngram":  # copies only: no drafter is loaded
-        validate_runtime(target, None, **guard)
-        set_up_target()
-        prop = make_proposer("ngram", None, block_size=16 if block_size is None else block_size,
-                             ngram_max=ngram_max, ngram_min=ngram_min, cache_tokens=ngram_cache_tokens)
-        with torch.no_grad():
-            policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop, progress=progress)
-        return target, Engine(target, prop, mode, verify_policy=policy)
-    if drafter is None:
-        path = default_drafter_path(target_name, mode)
-        if path is None:
-            raise EngineError(f"no shipped {mode} drafter for --target {target_name!r}; pass "
-                              f"--drafter PATH (a trained checkpoint) or --drafter random")
-        drafter = str(path)
-    if drafter == "random":
-        model = random_drafter(target, mode=mode, block_size=16 if block_size is None else block_size, seed=seed, dtype=dt)
-    else:
-        model = load_drafter(drafter, target, dtype=dt, block_size=block_size)
-        want_bridge = mode == "dspine"
-        if model.cfg.bridge != want_bridge:
-            raise EngineError(f"--mode {mode} does not match drafter {drafter} "
-                              f"(trained as {model.cfg.mode})")
-    validate_runtime(target, model.cfg, block_size=block_size, **guard)
-    set_up_target()
-    from dspine.cli.engine_setup import drafter_engine
-
-    return target, drafter_engine(target, model, drafter, mode, proposer=proposer, verify_policy=verify_policy,
-                                  tree=tree, head_kernel=head_kernel, drafter_linears=drafter_linears,
-                                  draft_vocab=draft_vocab, ngram_max=ngram_max, ngram_min=ngram_min,
-                                  ngram_cache_tokens=ngram_cache_tokens, copy_bonus=copy_bonus,
-                                  progress=progress, persist=persist)
+    kw = {f.name: getattr(args, f.name) for f in fields(SpeculativeConfig) if getattr(args, f.name, None) is not None}
+    if getattr(args, "tree_budget", None) is None and getattr(args, "tree_budget_default", None) is not None:
+        kw["tree_budget"] = args.tree_budget_default
+    kw.update(overrides)
+    return SpeculativeConfig(**kw)
 
 
 def add_draft_vocab_arg(p, default: str | None = "auto") -> None:
@@ -245,12 +117,6 @@ def add_drafter_kernel_args(p, default: str | None = "auto") -> None:
                         "head's blocks)")
 
 
-def _tree_spec(args):
-    from dspine.trees.tree import tree_spec_from_args
-
-    return tree_spec_from_args(args)
-
-
 def cmd_generate(args) -> int:
     from dspine.config import SamplingConfig
 
@@ -262,14 +128,7 @@ def cmd_generate(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
-                                  args.seed, args.device, verify_policy=args.verify_policy or DEFAULT_VERIFY_POLICY,
-                                  head_kernel=args.head_kernel, progress=not args.no_progress, persist=True,
-                                  linear_backend=args.linear_backend, proposer=args.proposer,
-                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min, runtime=args.runtime,
-                                  tree=_tree_spec(args), copy_bonus=args.copy_bonus,
-                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab,
-                                  target_weights=args.target_weights)
+    target, engine = build_engine(config_from_args(args, persist=True), progress=not args.no_progress)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     bar = None
@@ -486,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
         # our errors subclass ValueError
-        print(f"dspine: error: {e}".splitlines()[0], file=sys.stderr)
+        msg = str(e)
+        if isinstance(e, ConfigError) and e.field:  # the library names the field; the command its flag
+            msg = msg.replace(f"SpeculativeConfig.{e.field}", f"--{e.field.replace('_', '-')}")
+        print(f"dspine: error: {msg}".splitlines()[0], file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

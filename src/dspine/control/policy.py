@@ -46,13 +46,15 @@ import weakref
 
 import torch
 
+from dspine.config import VERIFY_POLICIES
 from dspine.control.base import Controller, FixedPolicy
 from dspine.control.cost_curve import CostCurve, copy_cost
 from dspine.control.estimator import (EXPLORE_COST_RATIO, AcceptanceStats, DecayedCells, DecisionLog,
                                       best_rate, expected_tokens, explore_length)
 from dspine.tune.cost import flag_stale_curve, measure_cost
 
-POLICIES = ("fixed", "cost")
+POLICIES = VERIFY_POLICIES
+
 
 class _RequestState:
     __slots__ = ("stats", "seen", "last_explore")

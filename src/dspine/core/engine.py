@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from dspine.config import SamplingConfig
+from dspine.config import ENGINE_MODES, SamplingConfig
 from dspine.control.base import Controller, FixedPolicy
 from dspine.core.stopping import StopDetector
 from dspine.proposers.base import Plan, Proposal, Proposer
@@ -28,7 +28,7 @@ from dspine.trees.tree import TreeSpec
 from dspine.trees.verify import verify_tree
 from dspine.core.verify import Verdict, verify
 
-MODES = ("ar", "dflash", "dspine")
+MODES = ENGINE_MODES
 #: labels an Engine accepts: the modes, and ``ngram`` (copies only, no drafter: the bench's own
 #: prompt-lookup row; on the command line it is ``--proposer ngram``)
 ENGINE_LABELS = MODES + ("ngram",)

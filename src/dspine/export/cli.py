@@ -102,7 +102,7 @@ def cmd_export(args) -> int:
         print(json.dumps({"format": args.format, "target": args.target, "out": str(out)}))
         return 0
 
-    from dspine.cli.main import default_drafter_path
+    from dspine.build import default_drafter_path
     from dspine.drafter.checkpoint import load_drafter, read_card
     from dspine.target.assets import sha256_file
 

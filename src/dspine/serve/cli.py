@@ -17,7 +17,7 @@ from dspine.argtypes import nonneg_float, nonneg_int, port_number, seed_int, thr
 
 def cmd_serve(args) -> int:
     from dspine.core.batch import MAX_RUNNING_VALIDATED, BatchEngine
-    from dspine.cli.main import build_engine
+    from dspine.build import build_engine
     from dspine.core.engine import EngineError
     from dspine.serve.app import create_app
     from dspine.serve.server import bind_socket, make_server
@@ -33,8 +33,7 @@ def cmd_serve(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    from dspine.cli.main import DEFAULT_VERIFY_POLICY, proposer_notes, tree_notes
-    from dspine.trees.tree import tree_spec_from_args
+    from dspine.cli.main import DEFAULT_VERIFY_POLICY, config_from_args, proposer_notes, tree_notes
 
     notes = list(proposer_notes(args)) + tree_notes(args)
     if args.ngram_cache_scope != "key" and not args.ngram_cache_tokens:
@@ -60,14 +59,7 @@ def cmd_serve(args) -> int:
 
     api_keys = APIKeys.from_settings(args.api_key, args.api_keys_file)
     sock = bind_socket(args.host, args.port)  # fail fast, before loading models
-    target, engine = build_engine(args.target, args.drafter, args.mode, args.dtype, args.block_size,
-                                  args.seed, args.device, verify_policy=args.verify_policy,
-                                  concurrency=args.max_running, head_kernel=args.head_kernel, progress=True,
-                                  persist=True, linear_backend=args.linear_backend, runtime=args.runtime, proposer=args.proposer,
-                                  ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                                  ngram_cache_tokens=args.ngram_cache_tokens, copy_bonus=args.copy_bonus,
-                                  drafter_linears=args.drafter_linears, draft_vocab=args.draft_vocab,
-                                  tree=tree_spec_from_args(args), target_weights=args.target_weights)
+    target, engine = build_engine(config_from_args(args, concurrency=args.max_running, persist=True), progress=True)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
     drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")

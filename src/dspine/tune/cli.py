@@ -60,7 +60,8 @@ def cmd_tune(args) -> int:
     if args.show:
         return show(args.device, args.json)
 
-    from dspine.cli.main import build_engine
+    from dspine.build import build_engine
+    from dspine.config import SpeculativeConfig
     from dspine.tune.cost import measure_cost
     from dspine.tune import store
     from dspine.tune.choose import choose_fastest
@@ -76,9 +77,10 @@ def cmd_tune(args) -> int:
     report: dict = {"machine": machine_info(args.device), "cache": str(store.path(args.device))}
     say(f"machine: {describe(args.device)}")
     say(f"cache:   {report['cache']}")
-    target, eng = build_engine(args.target, args.drafter, args.mode, args.dtype, device=args.device,
-                               verify_policy="fixed", progress=not args.json,
-                               head_kernel="exact")  # measured below, where the table shows it
+    config = SpeculativeConfig(target=args.target, drafter=args.drafter, mode=args.mode, dtype=args.dtype,
+                               device=args.device, proposer="drafter", verify_policy="fixed", linear_backend="aten",
+                               head_kernel="exact", tree_budget=0)  # each choice is measured below, in the table
+    target, eng = build_engine(config, progress=not args.json)
 
     prop = eng.proposer
     from dspine.runtime.packed import apply_linear_backend, choose_linear_backend

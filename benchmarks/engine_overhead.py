@@ -1,0 +1,127 @@
+"""Per-cycle Python overhead of the engine, two commits side by side.
+
+The target is a tiny random llama (hidden 64, 2 layers: its forward costs well under a
+millisecond) and the proposer copies a known continuation every third proposal wrong (no
+drafter forward), so a cycle's wall time is almost all the engine's own Python: planning,
+the controller, verification, commit, emit, stop detection. Each commit runs in its own
+process (``PYTHONPATH`` = that checkout's ``src``), alternating, ``--rounds`` times; the
+median per-cycle time of each setting is reported, with the machine stamp.
+
+    python benchmarks/engine_overhead.py --old /path/to/old/checkout --new . \
+        --out benchmarks/engine-overhead/<cpu-class>-<date>.json
+
+Settings: one request with the fixed controller, one with the cost controller (a synthetic
+cost curve, so nothing is measured), and a batch of four with the cost controller.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHILD = r'''
+import json, sys, time, torch
+torch.set_num_threads(1)
+from dspine.config import SamplingConfig
+from dspine.core.engine import Engine
+from dspine.core.batch import BatchEngine
+from dspine.proposers.base import Proposal, Proposer
+from dspine.target.adapter import load_target
+try:
+    from dspine.control.cost_curve import CostCurve
+except ImportError:  # before the controllers shared an estimator
+    from dspine.control.policy import CostCurve
+from dspine.control.policy import CostModelPolicy
+
+class Known(Proposer):
+    feature_layers = [0]
+    needs_features = False
+    def __init__(self, refs, block_size=8):
+        self.refs, self.block_size, self.k = refs, block_size, 0
+    def new_state(self, prompt_ids):
+        return list(prompt_ids) + list(self.refs[tuple(prompt_ids)])
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen):
+        self.k += 1
+        toks = [state[anchor_pos + 1 + i] if anchor_pos + 1 + i < len(state) else 1 for i in range(n)]
+        if n > 2 and self.k % 3 == 0:
+            toks[2] = (toks[2] + 1) % 256 or 1
+        return Proposal(torch.tensor(toks, dtype=torch.long))
+
+t = load_target("random:llama", vocab_size=256, seed=1, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+t.eos_token_ids = set()
+prompts = [[1 + (7 * i + j) % 200 for j in range(12)] for i in range(4)]
+N = 192
+refs = {tuple(p): Engine(t, None, "ar").generate(p, SamplingConfig(), N + 16).token_ids for p in prompts}
+curve = CostCurve([1e-3 * (1 + 0.1 * n) for n in range(8)], draft_s=0.0)
+out = {}
+for name in ("single-fixed", "single-cost", "batch4-cost"):
+    times = []
+    for rep in range(3):
+        pol = None if name == "single-fixed" else CostModelPolicy(curve, observe_costs=False, explore_every=0)
+        eng = Engine(t, Known(refs), "dspine", verify_policy=pol)
+        t0 = time.perf_counter()
+        if name.startswith("batch"):
+            res = BatchEngine(eng, 4).generate_many(prompts, max_new_tokens=[N] * 4)
+            cycles = max(len(r.stats.verification_lengths) for r in res)
+        else:
+            cycles = 0
+            for p in prompts:
+                r = eng.generate(p, SamplingConfig(), N)
+                cycles += len(r.stats.verification_lengths)
+        times.append((time.perf_counter() - t0) / cycles * 1e3)
+    out[name] = min(times)
+print(json.dumps(out))
+'''
+
+
+def run_child(src: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(src), "DSPINE_TUNE": "off", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=False)
+    if res.returncode:
+        raise SystemExit(f"engine_overhead: the run with {src} failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", required=True, help="checkout of the earlier commit (its src/ is used)")
+    ap.add_argument("--new", default=".", help="checkout of the later commit (default: this one)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each checkout")
+    ap.add_argument("--out", default=None, help="JSON to write (default: print only)")
+    a = ap.parse_args(argv)
+    sides = {"old": Path(a.old).resolve(), "new": Path(a.new).resolve()}
+    def commit(path: Path) -> str:
+        git = lambda *c: subprocess.run(["git", "-C", str(path), *c], capture_output=True, text=True).stdout.strip()  # noqa: E731
+        return git("rev-parse", "--short", "HEAD") + (" (with local changes)" if git("status", "--porcelain", "src") else "")
+
+    commits = {k: commit(v) for k, v in sides.items()}
+    load0 = os.getloadavg()[0]
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    for r in range(a.rounds):
+        for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            runs[k].append(run_child(sides[k] / "src"))
+            print(f"round {r + 1}/{a.rounds} {k}: {runs[k][-1]}", file=sys.stderr, flush=True)
+    med = {k: {s: round(statistics.median(x[s] for x in v), 4) for s in v[0]} for k, v in runs.items()}
+    sys.path.insert(0, str(sides["new"] / "src"))
+    from dspine.tune.machine import describe
+
+    result = {"what": "per-cycle wall time (ms) of the engine on a tiny target with a copying proposer: "
+                      "the engine's own overhead", "machine": describe("cpu"), "threads": 1,
+              "load_1m_start": round(load0, 2), "load_1m_end": round(os.getloadavg()[0], 2),
+              "date": time.strftime("%Y-%m-%d"), "commits": commits, "ms_per_cycle": med,
+              "new_over_old": {s: round(med["new"][s] / med["old"][s], 3) for s in med["old"]}}
+    print(json.dumps(result, indent=2))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
