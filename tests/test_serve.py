@@ -508,6 +508,7 @@ def test_cost_policy_server_greedy_equals_single_ar(ar):
     assert batch.batch_policy is not None and batch.batch_policy.decisions
 
 
+@pytest.mark.slow  # ~50 s; batched greedy = ar on the real target stays in the default suite (test_dense_runtime)
 def test_real_target_greedy_equals_cli(capsys):
     """Default target smollm2-135m (float32), short outputs: batched dspine == `dspine generate --mode ar`."""
     from dspine.build import build_engine
