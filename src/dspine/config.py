@@ -298,6 +298,8 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise bad(name, f"must be an integer >= {lo}")
+        if self.seed > 2**63 - 1:
+            raise bad("seed", "must be at most 2**63 - 1")
         if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
                                             or not 2 <= self.block_size <= MAX_BLOCK_SIZE):
             raise bad("block_size", f"must be None or an integer in 2..{MAX_BLOCK_SIZE}")
