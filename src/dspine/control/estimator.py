@@ -87,20 +87,28 @@ class DecayedCells:
         return [k for k, c in self.cells.items() if c[1] >= min_weight]
 
     def corrected(self, key: Hashable, prior: Callable[[Hashable], float],
-                  distance: Callable[[Hashable, Hashable], tuple]) -> float:
+                  distance: Callable[[Hashable, Hashable], tuple], seen: list | None = None) -> float:
         """Estimated mean at ``key``: the observed mean where ``key`` was observed; else
         ``prior(key)`` times observed/prior at the nearest observed key (``distance``
         orders the candidates, ties broken by the tuple); the prior alone when nothing
-        was observed. So a one-shot measurement follows the machine's load."""
+        was observed. So a one-shot measurement follows the machine's load. ``seen``:
+        :meth:`reference_keys`, when the caller has already found them."""
         if self.weight(key) >= 0.5:
             return self.mean(key)
-        seen = self.observed() or [k for k, c in self.cells.items() if c[1] > 0]
+        if seen is None:
+            seen = self.reference_keys()
         p = prior(key)
         if not seen:
             return p
         near = min(seen, key=lambda k: distance(k, key))
         pn = prior(near)
         return p * self.mean(near) / pn if pn > 0 else p
+
+    def reference_keys(self) -> list:
+        """The keys :meth:`corrected` scales from: those observed (half an observation or
+        more), else any with weight. Pass them to :meth:`corrected` when estimating many
+        keys at once, so they are found once."""
+        return self.observed() or [k for k, c in self.cells.items() if c[1] > 0]
 
     def scale(self, k: float) -> None:
         """Multiply every sum and weight by ``k`` (a loaded profile weighs a few cycles)."""

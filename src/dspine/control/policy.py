@@ -159,7 +159,8 @@ class CostModelPolicy(Controller):
         curve = [self.cost.cycle_s(n) for n in range(self.cost.n_max + 1)]
         if not self.observe_costs:
             return curve
-        return [self.times.corrected(n, lambda k: curve[k], lambda k, m: (abs(k - m), k))
+        seen = self.times.reference_keys()  # once for every n
+        return [self.times.corrected(n, lambda k: curve[k], lambda k, m: (abs(k - m), k), seen)
                 for n in range(len(curve))]
 
     # statistics ----------------------------------------------------------------------------
