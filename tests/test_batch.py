@@ -167,12 +167,11 @@ def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_gree
     chain inside the batched drafter call) finishes with ``finish_reason == "error"``;
     the other requests of the same cycles keep the exact single-request outputs and
     every cache is freed. Before, one such request failed the whole batch."""
-    import dspine.core.batch as batch_mod
+    import dspine.core.verify as verify_mod
     import dspine.proposers.drafter as draft_mod
-    import dspine.core.engine as engine_mod
 
     bad = {"gen": None, "calls": 0}
-    real = engine_mod.verify if where == "verification" else draft_mod.chain
+    real = verify_mod.verify if where == "verification" else draft_mod.chain
 
     def failing_for_one(*args):
         if args[-1] is bad["gen"]:  # both take the request's generator last
@@ -182,8 +181,7 @@ def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_gree
         return real(*args)
 
     if where == "verification":
-        monkeypatch.setattr(batch_mod, "verify", failing_for_one)
-        monkeypatch.setattr(engine_mod, "verify", failing_for_one)
+        monkeypatch.setattr(verify_mod, "verify", failing_for_one)  # behind verify_proposal
     else:
         monkeypatch.setattr(draft_mod, "chain", failing_for_one)
     be = BatchEngine(spec, 4)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.core.batch import BatchEngine, SlotKV
+from dspine.core.batch import BatchEngine
+from dspine.core.kv import SlotKV
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
 from dspine.runtime import blockq as B
@@ -75,8 +76,10 @@ def test_batched_greedy_on_the_lean_path_equals_the_single_request_engine(smol_l
     prompts = [t.encode_prompt(p) for p in PROMPTS]
     want = [eng.generate(p, SamplingConfig(), 24).token_ids for p in prompts]
     calls = []
-    real = BatchEngine._lean_forward
-    monkeypatch.setattr(BatchEngine, "_lean_forward", lambda self, *a: calls.append(1) or real(self, *a))
+    import dspine.core.forward as forward_mod
+
+    real = forward_mod.lean_forward
+    monkeypatch.setattr(forward_mod, "lean_forward", lambda *a: calls.append(1) or real(*a))
     got = BatchEngine(eng, 3).generate_many(prompts, max_new_tokens=24)
     assert [g.token_ids for g in got] == want
     assert calls  # the batched cycles ran on the lean path
@@ -172,7 +175,7 @@ def test_batched_trees_fall_back_to_chains_off_the_lean_path(smol):
     prompts = [smol.encode_prompt(p) for p in PROMPTS[:2]]
     be = BatchEngine(eng, 2)
     got = be.generate_many(prompts, max_new_tokens=12)
-    assert be.batched and be._lean_plan() is None
+    assert be.batched and be.cycle.target_pass.lean_plan() is None
     assert all(n == 0 for g in got for n in g.stats.tree_nodes)
     ar = Engine(smol, None, "ar")
     assert [g.token_ids for g in got] == [ar.generate(p, SamplingConfig(), 12).token_ids for p in prompts]

@@ -17,7 +17,7 @@ import pytest
 
 from dspine.cli.main import main
 from dspine.drafter.checkpoint import random_drafter, save_drafter
-from dspine.core.engine import GenerationStats
+from dspine.core.request import GenerationStats
 from dspine.target.adapter import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -30,7 +30,7 @@ import pytest
 import torch
 from scipy import stats
 
-import dspine.core.engine
+import dspine.core.verify
 from conftest import OracleProposer, random_proposer
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
@@ -159,7 +159,7 @@ def assert_exact_and_broken_verifier_fails(tiny, make_proposer, monkeypatch, set
     (the negative control, N_NEG runs) is rejected."""
     counts = sample_counts(Engine(tiny, make_proposer(), "dspine"), SETTINGS[setting], N, tiny.vocab_size)
     assert chi2_pvalue(counts, exact(tiny, setting)) > ALPHA
-    monkeypatch.setattr(dspine.core.engine, "verify", _verify_residual_is_p)
+    monkeypatch.setattr(dspine.core.verify, "verify", _verify_residual_is_p)
     counts = sample_counts(Engine(tiny, make_proposer(), "dspine"), SETTINGS[setting], N_NEG, tiny.vocab_size)
     assert chi2_pvalue(counts, exact(tiny, setting)) < ALPHA
 
@@ -199,7 +199,7 @@ def _check(tiny, drafters, mode, name, n=N):
 @pytest.mark.parametrize("mode,name", DEFAULT)
 def test_speculative_sampling_matches_target(tiny, drafters, monkeypatch, mode, name):
     seen = {"accepted": 0, "rejected": 0, "outside": 0, "chain": 0}
-    real_verify = dspine.core.engine.verify
+    real_verify = dspine.core.verify.verify
 
     def recording_verify(tokens, q_probs, q_ids, logits, sampling, gen):
         v = real_verify(tokens, q_probs, q_ids, logits, sampling, gen)
@@ -213,7 +213,7 @@ def test_speculative_sampling_matches_target(tiny, drafters, monkeypatch, mode, 
                 seen["outside"] += int(float(q_probs[v.accepted, v.token]) == 0.0)
         return v
 
-    monkeypatch.setattr(dspine.core.engine, "verify", recording_verify)
+    monkeypatch.setattr(dspine.core.verify, "verify", recording_verify)
     _check(tiny, drafters, mode, name)
     # both paths were exercised: accepted proposals, and rejections whose correction is
     # a token the drafter's q gave probability 0 (outside the K candidates when sparse)
@@ -285,7 +285,7 @@ class QBeforeFilteringProposer(DrafterProposer):
 
 @pytest.mark.parametrize("mode", ["dspine", pytest.param("dflash", marks=pytest.mark.slow)])
 def test_negative_control_residual_without_q(tiny, drafters, monkeypatch, mode):
-    monkeypatch.setattr(dspine.core.engine, "verify", _verify_residual_is_p)
+    monkeypatch.setattr(dspine.core.verify, "verify", _verify_residual_is_p)
     eng = Engine(tiny, drafters[mode], mode)
     counts = sample_counts(eng, SETTINGS["t1.0"], N_NEG, tiny.vocab_size)
     pv = chi2_pvalue(counts, exact(tiny, "t1.0"))
@@ -321,5 +321,5 @@ def check_exact_with_negative_control(tiny, monkeypatch) -> None:
     P = exact_distribution(tiny, PROMPT, SETTINGS["t1.0"])
     eng = Engine(tiny, strong_bridge_drafter(tiny, seed=3), "dspine")
     assert chi2_pvalue(sample_counts(eng, SETTINGS["t1.0"], N, tiny.vocab_size), P) > ALPHA
-    monkeypatch.setattr(dspine.core.engine, "verify", _verify_residual_is_p)
+    monkeypatch.setattr(dspine.core.verify, "verify", _verify_residual_is_p)
     assert chi2_pvalue(sample_counts(eng, SETTINGS["t1.0"], N_NEG, tiny.vocab_size), P) < ALPHA

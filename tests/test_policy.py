@@ -23,7 +23,8 @@ from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.base import Proposal, Proposer
 from dspine.proposers.drafter import DrafterProposer
-from dspine.core.engine import Engine, EngineError, Request
+from dspine.core.engine import Engine, EngineError
+from dspine.core.request import Request
 from dspine.control.base import Controller, FixedPolicy
 from dspine.control.cost_curve import CostCurve
 from dspine.control.estimator import AcceptanceStats

@@ -345,7 +345,7 @@ def test_per_source_policy_picks_the_better_source():
     req = R()
     copy, draft = Plan("ngram1", 3, 1), Plan("draft", 3)
     assert pol.pick(req, [copy, draft]) is copy
-    from dspine.core.engine import CycleRecord
+    from dspine.core.request import CycleRecord
 
     # one-token copies always rejected, drafts always fully accepted: the drafter wins
     req.cycles = [CycleRecord(3, 1, 0.0, 0.0, 1.3, 1.3, source="ngram1"),

@@ -622,9 +622,9 @@ def test_shutdown_deadline_answers_running_requests_with_503():
 def test_a_request_failing_in_a_batched_cycle_fails_alone(ar, monkeypatch):
     """Two requests share batched cycles; the verification of one raises. It gets a 500
     naming the failure, the other finishes with the exact single-request greedy output."""
-    import dspine.core.batch as batch_mod
+    import dspine.core.verify as verify_mod
 
-    real_verify = batch_mod.verify
+    real_verify = verify_mod.verify
     seen = {"bad": 0}
 
     def verify_failing_for_seed_7(tokens, q_probs, q_ids, logits, sampling, gen):
@@ -635,7 +635,7 @@ def test_a_request_failing_in_a_batched_cycle_fails_alone(ar, monkeypatch):
                 raise RuntimeError("injected verification failure")
         return real_verify(tokens, q_probs, q_ids, logits, sampling, gen)
 
-    monkeypatch.setattr(batch_mod, "verify", verify_failing_for_seed_7)
+    monkeypatch.setattr(verify_mod, "verify", verify_failing_for_seed_7)
     eng = Engine(ar.target, DrafterProposer(random_drafter(ar.target, "dspine", seed=0)), "dspine")
     app = create_app(BatchEngine(eng, 2), MODEL, max_queue=2)
     with ServerThread(app) as srv:

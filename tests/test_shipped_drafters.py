@@ -25,8 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-import dspine.core.batch
-import dspine.core.engine
+import dspine.core.verify
 from conftest import ar_continuation
 from dspine.core.batch import BatchEngine
 from dspine.build import default_drafter_path
@@ -115,8 +114,7 @@ def _counts(eng: Engine, prompt: list[int], n: int, cells: list) -> np.ndarray:
 
 
 def _patch_verify(monkeypatch, fn) -> None:
-    monkeypatch.setattr(dspine.core.engine, "verify", fn)
-    monkeypatch.setattr(dspine.core.batch, "verify", fn)
+    monkeypatch.setattr(dspine.core.verify, "verify", fn)  # behind verify_proposal, every engine
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +130,7 @@ def exact(smol):
 def test_shipped_dspine_sampling_matches_target(smol, shipped, exact, monkeypatch):
     prompt, cells, P = exact
     seen = {"accepted": 0, "rejected": 0}
-    real_verify = dspine.core.engine.verify
+    real_verify = dspine.core.verify.verify
 
     def recording_verify(tokens, q_probs, q_ids, logits, sampling, gen):
         v = real_verify(tokens, q_probs, q_ids, logits, sampling, gen)

@@ -225,7 +225,7 @@ def test_stop_checked_after_each_token_of_a_block(tiny256):
         req = eng.start(TINY_PROMPT, SamplingConfig(), 10, stop)
         req.out_ids[:] = [65]  # 'A', whatever the first sampled token was
         req.finished, req.finish_reason = False, None
-        eng._emit(req, new)
+        eng.emit(req, new)
         return req
 
     one_by_one = emit_after_a(["\ufffd"], [0xC3])

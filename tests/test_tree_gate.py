@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-import dspine.core.engine
+import dspine.core.verify
 from conftest import random_proposer
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
@@ -108,8 +108,8 @@ def test_gated_sampling_matches_target(tiny_dense):
 
 
 def test_gated_sampling_negative_control_fails(tiny_dense, monkeypatch):
-    monkeypatch.setattr(dspine.core.engine, "verify_tree", _broken_no_residual)
-    monkeypatch.setattr(dspine.core.engine, "verify", _verify_residual_is_p)
+    monkeypatch.setattr(dspine.core.verify, "verify_tree", _broken_no_residual)
+    monkeypatch.setattr(dspine.core.verify, "verify", _verify_residual_is_p)
     eng = _gated_engine(tiny_dense)
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
     counts = sample_counts(eng, SETTINGS["t1.0"], N_NEG, tiny_dense.vocab_size)

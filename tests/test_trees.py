@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import dspine.core.engine
+import dspine.core.verify
 from conftest import ar_continuation, random_proposer
 from dspine.build import default_drafter_path
 from dspine.config import SamplingConfig
@@ -437,7 +437,7 @@ def tree_engine(tiny_dense):
 @pytest.mark.parametrize("name", ["t1.0", pytest.param("t0.7_k3", marks=pytest.mark.slow)])
 def test_tree_sampling_matches_target(tiny_dense, tree_engine, monkeypatch, name):
     seen = {"later_sibling": 0, "depth2": 0}
-    real = dspine.core.engine.verify_tree
+    real = dspine.core.verify.verify_tree
 
     def recording(tree, logits, sampling, gen):
         v = real(tree, logits, sampling, gen)
@@ -445,7 +445,7 @@ def test_tree_sampling_matches_target(tiny_dense, tree_engine, monkeypatch, name
         seen["depth2"] += int(v.accepted >= 2)
         return v
 
-    monkeypatch.setattr(dspine.core.engine, "verify_tree", recording)
+    monkeypatch.setattr(dspine.core.verify, "verify_tree", recording)
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS[name])
     counts = sample_counts(tree_engine, SETTINGS[name], N_ENGINE, tiny_dense.vocab_size)
     assert chi2_pvalue(counts, P) > ALPHA
@@ -453,7 +453,7 @@ def test_tree_sampling_matches_target(tiny_dense, tree_engine, monkeypatch, name
 
 
 def test_tree_sampling_negative_control_fails(tiny_dense, tree_engine, monkeypatch):
-    monkeypatch.setattr(dspine.core.engine, "verify_tree", _broken_no_residual)
+    monkeypatch.setattr(dspine.core.verify, "verify_tree", _broken_no_residual)
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
     counts = sample_counts(tree_engine, SETTINGS["t1.0"], N_ENGINE, tiny_dense.vocab_size)
     assert chi2_pvalue(counts, P) < ALPHA
@@ -502,14 +502,14 @@ def test_hybrid_tree_sampling_matches_target(tiny_dense, monkeypatch):
     prop = DraftFirstHybrid(strong_bridge_drafter(tiny_dense, seed=3))
     eng = Engine(tiny_dense, prop, "dspine", tree=TREE_SHAPE)
     seen = {"grafted": 0, "trees": 0}
-    real = dspine.core.engine.verify_tree
+    real = dspine.core.verify.verify_tree
 
     def recording(tree, logits, sampling, gen):
         seen["trees"] += 1
         seen["grafted"] += int(tree.size > 9)  # TREE_SHAPE gives at most 3 + 6 drafter nodes
         return real(tree, logits, sampling, gen)
 
-    monkeypatch.setattr(dspine.core.engine, "verify_tree", recording)
+    monkeypatch.setattr(dspine.core.verify, "verify_tree", recording)
     P = exact_distribution(tiny_dense, REPEAT_PROMPT, cfg)
     counts = np.zeros((tiny_dense.vocab_size,) * 3, dtype=np.int64)
     for s in range(N_ENGINE):

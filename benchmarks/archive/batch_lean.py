@@ -57,7 +57,7 @@ def main() -> None:
                 for path in order:
                     be = BatchEngine(eng, c)
                     if path == "transformers":
-                        be._lean_plan = lambda: None
+                        be.cycle.target_pass.lean_plan = lambda: None
                     t0 = time.perf_counter()
                     got = be.generate_many(ps, SamplingConfig(), max_new_tokens=args.tokens)
                     dt = time.perf_counter() - t0

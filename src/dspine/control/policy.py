@@ -1,7 +1,7 @@
 """Verification-length policies: how many drafted tokens to verify per cycle (spec section 5).
 
 The engine asks ``policy(request, n_max) -> n`` at the start of every cycle, *before*
-the drafter proposes (``Engine._verification_length``), so a policy can only use what
+the drafter proposes (``Engine.verification_length``), so a policy can only use what
 is known before the tokens it covers are drawn: statistics of earlier cycles, the
 measured cost curve, the settings. That makes every policy here *non-anticipating*:
 the choice of n is independent of this cycle's random draws, so speculative sampling

@@ -3,7 +3,7 @@
 Every running request's inputs of a cycle (its anchor and its proposals: a chain, or a
 flattened draft tree, :class:`dspine.trees.DraftTree`) are packed without padding into
 calls of the lean path's C++ forward (:meth:`dspine.runtime.lean.LeanDecode.forward_ragged`)
-over the rows of the batched slot cache (:class:`dspine.core.batch.SlotKV`). Input ``j`` of a
+over the rows of the batched slot cache (:class:`dspine.core.kv.SlotKV`). Input ``j`` of a
 request writes its K/V at column ``start + j`` of the request's row; a chain's input sits
 at position ``start + j`` and sees the columns up to its own, a tree node at ``start +
 depth`` and sees the committed columns and its ancestors (``DraftTree.attention_mask``).
@@ -60,7 +60,7 @@ def lean_forward(target, plan, kv, inputs: list[Inputs], starts: list[int], feat
     Args:
         target: the dense-runtime target (``target.runtime``, ``target.model.lm_head``).
         plan: its :class:`~dspine.runtime.lean.LeanDecode`.
-        kv: the batched :class:`~dspine.core.batch.SlotKV`; request i is row i, its committed
+        kv: the batched :class:`~dspine.core.kv.SlotKV`; request i is row i, its committed
             length ``starts[i]``.
         inputs: per request, its :class:`Inputs` (at least one token each).
         feature_layers: the target layers whose outputs the drafter reads, or None.

@@ -2,31 +2,35 @@
 
 Modes: ``ar`` (plain target loop: each cycle verifies zero proposals and samples one
 token with the plain sampler), ``dflash`` and ``dspine`` (a drafter proposes a block,
-the target verifies it in one forward). All modes share this loop, the sampler and
-the stop logic, so the baseline and speculation differ only in the proposer.
+the target verifies it in one forward). All modes share one cycle
+(:mod:`dspine.core.cycle`), the sampler and the stop logic, so the baseline and
+speculation differ only in the proposer.
 
-State lives in :class:`Request` objects (target cache, draft context cache,
-generator, counters), so a batch of requests with ragged accepted lengths is a list
-of states; :meth:`Engine.step` advances one request by one cycle.
+The engine holds what a cycle asks of it: the request lifecycle (:meth:`Engine.start`
+validates and prefills), the plan (:meth:`Engine.plan`, :meth:`Engine.verification_length`),
+the end of a chain at a finishing proposal (:meth:`Engine.cut_at_finish`) and emission
+with EOS / stop / length handling (:meth:`Engine.emit`). State lives in
+:class:`~dspine.core.request.Request` objects; :meth:`Engine.step` advances one request by
+one cycle over its own cache, :class:`dspine.core.batch.BatchEngine` many over a slot cache.
 """
 from __future__ import annotations
 
 import resource
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
 from dspine.config import ENGINE_MODES, SamplingConfig
 from dspine.control.base import Controller, FixedPolicy
+from dspine.core.cycle import Cycle
+from dspine.core.forward import OwnCachePass
+from dspine.core.request import GenerationResult, GenerationStats, Request, source_stats
+from dspine.core.sampling import make_generator, sample_token
 from dspine.core.stopping import StopDetector
 from dspine.proposers.base import Plan, Proposal, Proposer
-from dspine.core.sampling import filter_probs, make_generator, sample_index, sample_token, uniform
-from dspine.target.adapter import Target, TargetCache
+from dspine.target.adapter import Target
 from dspine.trees.tree import TreeSpec
-from dspine.trees.verify import verify_tree
-from dspine.core.verify import Verdict, verify
 
 MODES = ENGINE_MODES
 #: labels an Engine accepts: the modes, and ``ngram`` (copies only, no drafter: the bench's own
@@ -38,139 +42,10 @@ class EngineError(ValueError):
     """A request setting the engine refuses (the message names it)."""
 
 
-@dataclass
-class CycleRecord:
-    """One cycle: verification length n, acceptance length ``emitted`` = accepted + 1
-    (bonus/correction included; tokens that an EOS or a stop string cuts afterwards still
-    count, as acceptance is a property of the drafter, not of the stop), times (s)."""
-
-    n: int
-    emitted: int
-    draft_s: float
-    final_s: float
-    verify_s: float
-    total_s: float
-    # batched: a cycle of the batched engine; its times are those of the whole batched cycle
-    # the request waited for (every request's drafting, final stage and verification, the
-    # shared forward as wide as the widest request), not this request's share
-    batched: bool = False
-    # the proposer source of this cycle (``draft``, ``ngram``; "" for ``ar``), see Proposer.plan
-    source: str = ""
-    # nodes of the draft tree verified this cycle (0: a chain of n proposals); n is then its depth
-    tree_nodes: int = 0
-
-
-@dataclass
-class GenerationStats:
-    """Per-request statistics. Times in seconds, memory in bytes, counts in tokens.
-
-    ``accepted_length_mean`` is tau: tokens emitted per cycle, bonus/correction
-    included. ``accepted_per_position[k-1]`` is the fraction of cycles that drafted
-    position k in which position k was accepted.
-    """
-
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cycles: int = 0
-    accepted_length_mean: float = 0.0
-    accepted_per_position: list[float] = field(default_factory=list)
-    tokens_per_second: float = 0.0  # output tokens after the first / decode time
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    total_s: float = 0.0
-    draft_s: float = 0.0
-    final_stage_s: float = 0.0
-    verify_s: float = 0.0
-    peak_memory_bytes: int = 0
-    verification_lengths: list[int] = field(default_factory=list)
-    # per cycle: nodes of the verified draft tree (0 for a chain); empty when no cycle had a tree
-    tree_nodes: list[int] = field(default_factory=list)
-    # what ran: target dtype and threads, the verification policy, the drafter's
-    # candidate-pass kernel per row bucket (measured choices, dspine.tune)
-    kernels: dict = field(default_factory=dict)
-    # per proposer source (``draft``, ``ngram``): cycles, proposals verified, accepted, tokens emitted
-    sources: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Request:
-    """State of one request (everything a cycle reads or commits)."""
-
-    prompt_ids: list[int]
-    sampling: SamplingConfig
-    max_new_tokens: int
-    stop: list[str]
-    gen: torch.Generator
-    cache: TargetCache
-    draft_state: object
-    out_ids: list[int] = field(default_factory=list)
-    anchor: int = -1  # last emitted token; not yet processed by the target
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
-    error: str | None = None  # why a cycle of this request failed (finish_reason "error")
-    text: str = ""
-    cycles: list[CycleRecord] = field(default_factory=list)
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    source: str = ""  # this cycle's proposer source, set by Engine.plan before the policy runs
-    t_start: float = 0.0
-    t_first: float = 0.0
-    t_end: float = 0.0
-    stops: StopDetector | None = None  # incremental stop-string detection (None: no stop strings)
-
-    def count_acceptance(self, n: int, a: int) -> None:
-        """Record a cycle that drafted ``n`` positions and accepted the first ``a``."""
-        for k in range(n):
-            if len(self.drafted_at) <= k:
-                self.drafted_at.append(0)
-                self.accepted_at.append(0)
-            self.drafted_at[k] += 1
-            self.accepted_at[k] += int(k < a)
-
-    @property
-    def position(self) -> int:
-        """Absolute position of the anchor (= committed target positions)."""
-        return self.cache.length
-
-
-@dataclass
-class GenerationResult:
-    """Output of :meth:`Engine.generate`: text, token ids (EOS included when hit)."""
-
-    text: str
-    token_ids: list[int]
-    mode: str
-    finish_reason: str
-    stats: GenerationStats
-
-
 def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # ru_maxrss is KiB on Linux
-
-
-def _observe(proposer, state, tokens: list[int], start_pos: int) -> None:
-    """Tell ``proposer`` the token ids it committed (:meth:`Proposer.observe`)."""
-    proposer.observe(state, tokens, start_pos)
-
-
-def source_stats(cycles: list[CycleRecord]) -> dict:
-    """Per proposer source: cycles, proposals verified, proposals accepted, tokens emitted
-    (the bonus/correction included) and tau of that source's cycles."""
-    out: dict[str, dict] = {}
-    for c in cycles:
-        d = out.setdefault(c.source or "none", {"cycles": 0, "proposed": 0, "accepted": 0, "emitted": 0})
-        d["cycles"] += 1
-        d["proposed"] += c.n
-        d["accepted"] += c.emitted - 1
-        d["emitted"] += c.emitted
-    for d in out.values():
-        d["tau"] = d["emitted"] / d["cycles"]
-    return out
 
 
 def _features(out, k: int) -> torch.Tensor:
@@ -228,6 +103,9 @@ class Engine:
         fl = list(self.proposer.feature_layers) if self.proposer is not None else []
         self.feature_layers = fl if fl and self.proposer.needs_features else None
         self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30))
+        # the decode cycle of one request over its own cache (BatchEngine runs the same
+        # cycle over its slot cache's rows)
+        self.cycle = Cycle(self, OwnCachePass(target, self.feature_layers))
 
     # -- request lifecycle -------------------------------------------------------------
     def start(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
@@ -265,10 +143,10 @@ class Engine:
         req.cache.rollback(len(prompt_ids))
         if self.proposer is not None:
             self.proposer.commit(req.draft_state, _features(out, len(prompt_ids)), 0)
-            _observe(self.proposer, req.draft_state, list(prompt_ids), 0)
+            self.proposer.observe(req.draft_state, list(prompt_ids), 0)
         first = sample_token(out.logits[0, -1], sampling, req.gen)
         req.t_first = time.perf_counter()
-        self._emit(req, [first])
+        self.emit(req, [first])
         return req
 
     def max_verification_length(self, req: Request) -> int:
@@ -294,7 +172,9 @@ class Engine:
         req.source = plan.source
         return max(0, min(n_max, int(plan.max_n)))
 
-    def _verification_length(self, req: Request) -> int:
+    def verification_length(self, req: Request) -> int:
+        """This cycle's verification length for ``req``: :meth:`plan`, then the controller
+        (``verify_policy(req, n_max)``), clamped to ``0..n_max``."""
         n_max = self.plan(req)
         if n_max > 0:
             n = int(self.verify_policy(req, n_max))
@@ -302,56 +182,21 @@ class Engine:
         return n_max
 
     def step(self, req: Request) -> list[int]:
-        """One cycle for ``req``: draft n tokens, verify in one target pass, commit.
+        """One cycle for ``req`` (:mod:`dspine.core.cycle`, a batch of one over its own
+        cache): plan, propose, one target forward, verify, emit, commit.
 
-        Returns the token ids emitted this cycle (after stop handling).
+        Returns the token ids emitted this cycle (after stop handling); raises what any
+        step raises.
         """
         if req.finished:
             return []
-        t0 = time.perf_counter()
-        n = self._verification_length(req)
-        pos = req.position
-        prop = None
-        if n > 0 and self.tree.enabled and self.target.supports_tree(req.cache) \
-                and (self.tree_gate is None or self.tree_gate.choose(req.source)):
-            prop = self.proposer.propose_tree(req.draft_state, req.anchor, pos, n, self.tree, req.sampling,
-                                              req.gen, trim=self.tree_sizer.trim if self.tree_sizer else None)
-        if prop is not None and prop.tree is not None:
-            emitted = self._step_tree(req, prop, t0)
-            self.observe_tree_gate(req)
-            return emitted
-        if n > 0:
-            prop = self.cut_at_finish(req, self.proposer.propose(req.draft_state, req.anchor, pos, n,
-                                                                 req.sampling, req.gen))
-        else:
-            prop = Proposal(torch.zeros(0, dtype=torch.long))
-        n = int(prop.tokens.shape[0])
-        source = req.source
-        t1 = time.perf_counter()
-        ids = torch.cat([torch.tensor([req.anchor]), prop.tokens.cpu()])[None].to(self.target.device)
-        out = self.target.forward(ids, req.cache, self.feature_layers)  # logits [1, n+1, V]
-        logits = out.logits[0]
-        if n == 0:
-            verdict = Verdict(0, sample_token(logits[0], req.sampling, req.gen))
-        else:
-            verdict = verify(prop.tokens, prop.q_probs, prop.q_ids, logits, req.sampling, req.gen)
-        a = verdict.accepted
-        new = [int(t) for t in prop.tokens[:a]] + [verdict.token]
-        emitted = self._emit(req, new)  # EOS, a stop string or max_new_tokens may cut `new`
-        # commit: the anchor and the emitted accepted proposals enter the caches, except the
-        # last emitted token (never fed to the target, as in the plain loop); nothing
-        # rejected and nothing past a stop (spec s.5)
-        keep = 1 + min(a, len(emitted) - 1)
-        req.cache.rollback(pos + keep)
-        self._commit_draft(req, prop, _features(out, keep), ids[0, :keep].tolist(), pos, n, a, source, t0, t1)
-        self.observe_tree_gate(req)
-        return emitted
+        return self.cycle.run([req])[id(req)]
 
     def cut_at_finish(self, req: Request, prop: Proposal) -> Proposal:
         """``prop`` (a chain) without the proposals after the first one that would end
         ``req``: an EOS token, or the token after which the output's text holds one of the
         request's stop strings (the same test as :meth:`_apply_stop`). Were they accepted,
-        :meth:`_emit` would cut them, so verifying them would only cost time (a copy that
+        :meth:`emit` would cut them, so verifying them would only cost time (a copy that
         runs past the end of a function and into the stop string ``\\ndef``, say).
 
         Exact whatever the proposals' q: the kept prefix is decided by the values of the
@@ -381,48 +226,9 @@ class Engine:
         if self.tree_gate is not None and c is not None and c.n > 0:
             self.tree_gate.observe(c.source, c.tree_nodes > 0, c.emitted, c.total_s)
 
-    def _commit_draft(self, req: Request, prop: Proposal, feats: torch.Tensor, tokens: list[int], pos: int,
-                      n: int, a: int, source: str, t0: float, t1: float, tree_nodes: int = 0) -> None:
-        """The end of a cycle, chain or tree: the committed positions' features [keep, F*d]
-        and token ids (the anchor and the accepted proposals, from ``pos``) reach the
-        proposer, and the cycle is recorded (``n`` proposals, or the tree's depth)."""
-        t2 = time.perf_counter()
-        commit_s = 0.0
-        if self.proposer is not None:
-            self.proposer.commit(req.draft_state, feats, pos)
-            _observe(self.proposer, req.draft_state, tokens, pos)
-            commit_s = time.perf_counter() - t2
-        req.count_acceptance(n, a)
-        req.cycles.append(CycleRecord(n, a + 1, prop.draft_s + commit_s, prop.final_s, t2 - t1,
-                                      time.perf_counter() - t0, source=source, tree_nodes=tree_nodes))
-
-    def _step_tree(self, req: Request, prop: Proposal, t0: float) -> list[int]:
-        """The verify and commit half of :meth:`step` for a draft tree (:mod:`dspine.trees`):
-        one target forward over the anchor and the flattened tree, greedy longest path or
-        multi-candidate speculative sampling, then only the accepted path's K/V (moved to
-        consecutive slots), features and tokens are committed."""
-        tree, pos, source = prop.tree, req.position, req.source
-        t1 = time.perf_counter()
-        ids = torch.cat([torch.tensor([req.anchor]), tree.tokens])[None].to(self.target.device)
-        out = self.target.forward(ids, req.cache, self.feature_layers,
-                                  tree=(tree.positions(), tree.attention_mask()))
-        verify_s = time.perf_counter() - t1
-        verdict = verify_tree(tree, out.logits[0], req.sampling, req.gen)
-        if self.tree_sizer is not None:
-            self.tree_sizer.observe(tree, verdict.path, verify_s)
-        a = verdict.accepted
-        path_tokens = [int(tree.tokens[c]) for c in verdict.path]
-        emitted = self._emit(req, path_tokens + [verdict.token])
-        keep = 1 + min(a, len(emitted) - 1)
-        rows = ([0] + [c + 1 for c in verdict.path])[:keep]
-        req.cache.keep_rows(pos, rows)
-        feats = out.features[0, rows] if out.features is not None else torch.zeros(keep, 0)
-        self._commit_draft(req, prop, feats, ids[0, rows].tolist(), pos, tree.max_depth, a, source, t0, t1,
-                           tree_nodes=tree.size)
-        return emitted
-
-    def _emit(self, req: Request, new: list[int]) -> list[int]:
-        """Append tokens, enforcing EOS, stop strings and max_new_tokens."""
+    def emit(self, req: Request, new: list[int]) -> list[int]:
+        """Append tokens, enforcing EOS, stop strings and max_new_tokens; return those
+        appended (a prefix of ``new``). Finishing calls :meth:`Proposer.finish`."""
         room = req.max_new_tokens - len(req.out_ids)
         new = new[:room]
         for i, t in enumerate(new):

@@ -7,6 +7,13 @@ plain sampler (:func:`dspine.core.sampling.filter_probs`). ``q`` is either spars
 decisions and corrections for the same random draws. Uniforms are float64 draws
 from the request's generator, in a fixed order: one per examined position, then one
 for the correction or bonus.
+
+:func:`verify_proposal` is the one entry point the engine calls: a chain (the
+token-wise verifiers here), a draft tree (:func:`dspine.trees.verify.verify_tree`) or no
+proposal (the plain sampler), each returning what to emit and which forward rows to commit.
+A chain is verified by the chain functions as a fast path; that they decide as the tree
+verifier does on :meth:`DraftTree.chain <dspine.trees.tree.DraftTree.chain>` is tested
+(``tests/test_verify_proposal.py``).
 """
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.core.sampling import filter_probs, sample_index, uniform
+from dspine.core.sampling import filter_probs, sample_index, sample_token, uniform
+from dspine.trees.verify import verify_tree
 
 
 @dataclass
@@ -110,3 +118,56 @@ def verify(tokens: torch.Tensor, q_probs, q_ids, logits: torch.Tensor, sampling:
     if tokens.shape[0] > 0 and q_probs is None:
         raise ValueError("sampled verification needs the proposal distribution q")
     return verify_sampling(tokens, q_probs, q_ids, logits, sampling, gen)
+
+
+@dataclass
+class Outcome:
+    """One request's verified cycle, chain or tree.
+
+    accepted: proposals accepted (a chain's prefix length, a tree's path length).
+    tokens: the accepted proposals' ids, then the correction or bonus token (what the
+        request emits, before EOS / stop / length handling).
+    rows: the forward's input rows to commit, increasing: 0 (the anchor), then the
+        accepted proposals' rows (a chain's ``1..accepted``, a tree's path nodes + 1).
+    depth: proposals verified along one path (a chain's n, a tree's depth).
+    nodes: tree nodes verified; 0 for a chain.
+    """
+
+    accepted: int
+    tokens: list[int]
+    rows: list[int]
+    depth: int
+    nodes: int = 0
+
+
+def verify_proposal(prop, logits: torch.Tensor, sampling: SamplingConfig, gen: torch.Generator | None) -> Outcome:
+    """Verify one :class:`~dspine.proposers.base.Proposal` against the target's logits.
+
+    Args:
+        prop: the proposal: ``tree`` set (a :class:`~dspine.trees.tree.DraftTree` of N
+            nodes), else a chain of ``tokens`` [n] int64 with ``q_ids`` / ``q_probs`` as
+            :func:`verify` takes them (n = 0: nothing proposed).
+        logits: [n + 1, V] (chain) or [N + 1, V] (tree) float, row 0 after the anchor.
+        sampling, gen: the request's sampling settings and generator.
+    Returns:
+        :class:`Outcome`. With n = 0 the token is drawn by the plain sampler
+        (:func:`dspine.core.sampling.sample_token`), exactly as the ``ar`` loop draws it.
+    Raises:
+        ValueError: sampled verification of proposals without q, or logits whose rows do
+            not match the proposal.
+    """
+    tree = prop.tree
+    if tree is not None:
+        v = verify_tree(tree, logits, sampling, gen)
+        path = [int(c) for c in v.path]
+        return Outcome(len(path), [int(tree.tokens[c]) for c in path] + [int(v.token)],
+                       [0] + [c + 1 for c in path], int(tree.max_depth), int(tree.size))
+    n = int(prop.tokens.shape[0])
+    if logits.shape[0] < n + 1:
+        raise ValueError(f"logits have {logits.shape[0]} rows for a chain of {n} proposals (need {n + 1})")
+    if n == 0:
+        v = Verdict(0, sample_token(logits[0], sampling, gen))
+    else:
+        v = verify(prop.tokens, prop.q_probs, prop.q_ids, logits, sampling, gen)
+    a = int(v.accepted)
+    return Outcome(a, [int(t) for t in prop.tokens[:a]] + [int(v.token)], list(range(a + 1)), n)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from dspine.core.batch import BatchEngine
 from dspine.config import SamplingConfig
-from dspine.core.engine import EngineError, Request
+from dspine.core.engine import EngineError
+from dspine.core.request import Request
 from dspine.serve.metrics import Metrics
 
 log = logging.getLogger("dspine.serve")
