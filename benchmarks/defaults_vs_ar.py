@@ -14,6 +14,10 @@ the load average at start and end, every run, the paired ratio per prompt (media
 rounds) and the medians per set, and prints a table.
 
     python benchmarks/defaults_vs_ar.py --n 4 --rounds 2 --out benchmarks/defaults-vs-ar/avx512-2026-12-03-early.json
+
+``--old DIR`` (a checkout of another commit) adds a third command per (round, prompt): the
+default ``dspine generate`` of that checkout (``PYTHONPATH=DIR/src``), in the same rotation,
+and reports this checkout's default over the old one's (a refactor's "not slower" check).
 """
 from __future__ import annotations
 
@@ -40,14 +44,17 @@ def prompts(sets: list[str], n: int, offset: int) -> list[tuple[str, str, bool]]
     return out
 
 
-def run(prompt: str, chat: bool, mode: str | None, args) -> dict:
+def run(prompt: str, chat: bool, mode: str | None, args, src: Path | None = None) -> dict:
     cmd = [sys.executable, "-m", "dspine.cli", "generate", prompt, "--json", "--no-progress",
            "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
     if chat:
         cmd.append("--chat")
     if mode:
         cmd += ["--mode", mode]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if src is not None:  # another checkout's code
+        env["PYTHONPATH"] = str(src)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd[:4])} ... exited {p.returncode}: {p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -62,7 +69,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--old", type=Path, default=None, metavar="DIR",
+                    help="a checkout of another commit: its default command runs beside (config 'old')")
     args = ap.parse_args()
+    if args.old is not None and not (args.old / "src" / "dspine").is_dir():
+        raise SystemExit(f"--old {args.old}: no src/dspine there (a dspine checkout is expected)")
+    old_commit = subprocess.run(["git", "-C", str(args.old), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() if args.old else None
 
     from dspine.tune.machine import machine_info
 
@@ -74,21 +87,26 @@ def main() -> None:
     runs = []
     for r in range(args.rounds):
         for k, (name, text, chat) in enumerate(ps):
-            order = ["default", "ar"] if (r + k) % 2 == 0 else ["ar", "default"]
+            labels = ["default", "ar"] + (["old"] if args.old else [])
+            shift = (r + k) % len(labels)
+            order = labels[shift:] + labels[:shift]
             got = {}
             for label in order:
-                res = run(text, chat, None if label == "default" else "ar", args)
+                res = run(text, chat, "ar" if label == "ar" else None, args,
+                          args.old.resolve() / "src" if label == "old" else None)
                 st = res["stats"]
                 got[label] = res
                 runs.append({"round": r, "prompt": name, "config": label, "tokens": st["output_tokens"],
                              "tokens_per_second": st["tokens_per_second"], "tau": st["accepted_length_mean"],
                              "token_ids": res["token_ids"], "kernels": st.get("kernels", {}),
                              "sources": st.get("sources", {})})
-            same = got["default"]["token_ids"] == got["ar"]["token_ids"]
-            runs[-1]["same_ids"] = runs[-2]["same_ids"] = same
+            same = all(g["token_ids"] == got["ar"]["token_ids"] for g in got.values())
+            for x in runs[-len(labels):]:
+                x["same_ids"] = same
+            old = f", old default {got['old']['stats']['tokens_per_second']:.1f} tok/s" if "old" in got else ""
             print(f"round {r} {name}: default {got['default']['stats']['tokens_per_second']:.1f} tok/s "
                   f"(tau {got['default']['stats']['accepted_length_mean']:.2f}), ar "
-                  f"{got['ar']['stats']['tokens_per_second']:.1f} tok/s, same ids: {same}", flush=True)
+                  f"{got['ar']['stats']['tokens_per_second']:.1f} tok/s{old}, same ids: {same}", flush=True)
 
     by = {(x["round"], x["prompt"], x["config"]): x for x in runs}
     per_prompt = {}
@@ -115,9 +133,18 @@ def main() -> None:
         "ratio_default_over_ar_per_prompt": per_prompt,
         "ratio_default_over_ar_median_per_set": per_set,
         "ratio_default_over_ar_median_all": round(statistics.median(per_prompt.values()), 3),
-        "same_ids": f"{sum(x['same_ids'] for x in runs if x['config'] == 'ar')}/{len(runs) // 2}",
+        "same_ids": f"{sum(x['same_ids'] for x in runs if x['config'] == 'ar')}/{len(runs) // (3 if args.old else 2)}",
         "runs": runs,
     }
+    if args.old:
+        po = {name: round(statistics.median(by[(r, name, "default")]["tokens_per_second"]
+                                            / by[(r, name, "old")]["tokens_per_second"] for r in range(args.rounds)), 3)
+              for name, _, _ in ps}
+        summary["old_commit"] = old_commit
+        summary["ratio_default_over_old_per_prompt"] = po
+        summary["ratio_default_over_old_median_per_set"] = {
+            s: round(statistics.median([v for k, v in po.items() if k.startswith(s)]), 3) for s in args.sets}
+        summary["ratio_default_over_old_median_all"] = round(statistics.median(po.values()), 3)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\n{mi.get('cpu_model')} ({mi.get('isa')}), {args.threads} threads, load {summary['load_avg_1m_start']}"
@@ -127,6 +154,9 @@ def main() -> None:
         m = summary["median_tokens_per_second"][s]
         print(f"{s:5} | {m['default']:13} | {m['ar']:8} | {per_set[s]:.3f}x | {summary['tau_default_mean'][s]}")
     print(f"all: {summary['ratio_default_over_ar_median_all']:.3f}x; same ids {summary['same_ids']}; -> {args.out}")
+    if args.old:
+        print(f"this checkout ({commit}) over {old_commit}, default command: "
+              f"{summary['ratio_default_over_old_median_per_set']} (all {summary['ratio_default_over_old_median_all']}x)")
 
 
 if __name__ == "__main__":
