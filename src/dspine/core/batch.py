@@ -78,8 +78,8 @@ class BatchEngine:
 
     def draft_kv_bytes(self) -> int:
         """Bytes of drafter context K/V held by running requests."""
-        return sum(int(getattr(r.draft_state, "nbytes", lambda: 0)()) for r in self.running
-                   if r.draft_state is not None)
+        prop = self.engine.proposer
+        return sum(prop.state_nbytes(r.draft_state) for r in self.running if r.draft_state is not None)
 
     def cache_bytes(self) -> int:
         return self.target_kv_bytes() + self.draft_kv_bytes()

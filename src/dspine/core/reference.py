@@ -49,7 +49,7 @@ def reference_generate(target, proposer, prompt_ids: list[int], sampling: Sampli
     sampling = sampling or SamplingConfig()
     gen = make_generator(sampling.seed)
     # the target layers the proposer reads (captured only when its commit needs features)
-    fl = list(getattr(proposer, "feature_layers", None) or []) if proposer is not None else []
+    fl = list(proposer.feature_layers) if proposer is not None else []
     layers = fl if fl and proposer.needs_features else None
     cache = target.new_cache()
     state = proposer.new_state(prompt_ids) if proposer else None

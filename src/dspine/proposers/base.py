@@ -137,6 +137,10 @@ class Proposer:
         return [self.propose(r.draft_state, r.anchor, p, n, r.sampling, r.gen)
                 for r, p, n in zip(reqs, positions, ns)]
 
+    def state_nbytes(self, state) -> int:
+        """Bytes held by one request's ``state`` (the drafter's context K/V); 0 here."""
+        return 0
+
     def kernel_info(self) -> dict:
         """What this proposer runs, for ``--json`` stats."""
         return {}

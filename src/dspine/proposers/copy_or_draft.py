@@ -42,10 +42,6 @@ class HybridState:
         self.draft, self.index = draft, index
         self.chosen: tuple[int, str] | None = None  # (anchor, source) of the last plan
 
-    def nbytes(self) -> int:
-        """Bytes of the drafter's context K/V (the index is small Python objects)."""
-        return int(getattr(self.draft, "nbytes", lambda: 0)())
-
 
 class HybridProposer(Proposer):
     """Copy when the context repeats, draft otherwise (decided per cycle from the context).
@@ -248,6 +244,10 @@ class HybridProposer(Proposer):
                 p.source = srcs[j]
                 out[j] = p
         return out
+
+    def state_nbytes(self, state: HybridState) -> int:
+        """Bytes of the drafter's context K/V (the n-gram index is small Python objects)."""
+        return self.drafter_proposer.state_nbytes(state.draft)
 
     def kernel_info(self) -> dict:
         info = dict(self.drafter_proposer.kernel_info()) if hasattr(self.drafter_proposer, "kernel_info") else {}

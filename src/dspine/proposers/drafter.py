@@ -166,6 +166,10 @@ class DrafterProposer(Proposer):
                       if use_quantized_head else None)
         self.draft_vocab = 0 if vocab is None else int(vocab.numel())
 
+    def state_nbytes(self, state) -> int:
+        """Bytes of ``state``'s draft context K/V."""
+        return int(state.nbytes())
+
     def kernel_info(self) -> dict:
         """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
         kernel per row bucket, or ``exact-reference`` without a coarse pass."""
