@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def greedy_answers(target, kind: str, n: int, new: int) -> list[tuple[list[int], int]]:
     """(prompt + greedy answer ids, answer start) for ``n`` held-out prompts of ``kind``."""
     from dspine.config import SamplingConfig
-    from dspine.data.build import encode_record
+    from dspine.data.tokenizer import encode_record
     from dspine.data.sources import heldout_prompts
     from dspine.core.engine import Engine
 
@@ -198,7 +198,7 @@ def main() -> int:
     torch.manual_seed(0)
 
     from dspine.build import default_drafter_path
-    from dspine.data.build import load_dataset
+    from dspine.data.load import load_dataset
     from dspine.drafter.checkpoint import load_drafter
     from dspine.drafter.vocab import resolve
     from dspine.target.adapter import load_target

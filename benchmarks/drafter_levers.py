@@ -80,7 +80,7 @@ def main() -> int:
         ap.error("--variants: two variants have the same name")
     torch.set_num_threads(args.threads)
     from dspine.build import default_drafter_path
-    from dspine.data.build import load_dataset
+    from dspine.data.load import load_dataset
     from dspine.drafter.checkpoint import load_drafter
     from dspine.drafter.vocab import resolve
     from dspine.target.adapter import load_target

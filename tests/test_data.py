@@ -8,7 +8,10 @@ import pytest
 
 from dspine.data import build as B
 from dspine.data import cli as data_cli
+from dspine.data import load as DL
 from dspine.data import sources as S
+from dspine.data import store as ST
+from dspine.data import tokenizer as TK
 
 
 # -- splits and sources ---------------------------------------------------------------------
@@ -167,7 +170,7 @@ def test_build_writes_shards_manifest_and_resumes(tiny, tmp_path):
     assert sorted(r["id"] for r in _rows(out)) == sorted(f"q{i}" for i in range(8))
     assert man["sources"] == [str(tmp_path / "a.jsonl"), str(more)]  # union of both runs' sources
 
-    seqs = B.load_dataset(out, tiny)
+    seqs = DL.load_dataset(out, tiny)
     assert len(seqs) == 8
     s = seqs[0]
     row = _rows(out)[0]
@@ -189,7 +192,7 @@ def test_damaged_rows_are_named_by_file_and_line(tiny, tmp_path):
         text = "{oops" if damage is None else (damage(bad), json.dumps(bad))[1]
         shard.write_text("\n".join([good[0], text, *good[2:]]) + "\n")
         with pytest.raises(ValueError, match=f"data-00000.jsonl, line 2: {needle}"):
-            B.load_dataset(out, tiny)
+            DL.load_dataset(out, tiny)
         with pytest.raises(ValueError, match=f"line 2: {needle}"):  # --resume scans the rows too
             B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, resume=True, progress=False)
 
@@ -198,7 +201,7 @@ def test_build_refuses_a_data_text_directory(tiny, tmp_path):
     out = tmp_path / "text"
     out.mkdir()
     man = {"format": "dspine-data/1", "kind": "text", "target": tiny.name,
-           "tokenizer": B.tokenizer_fingerprint(tiny.tokenizer), "counts": {"prompts": 3}}
+           "tokenizer": TK.tokenizer_fingerprint(tiny.tokenizer), "counts": {"prompts": 3}}
     (out / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(ValueError, match="`dspine data text` set"):
         B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 2))], out, max_new_tokens=3,
@@ -210,7 +213,7 @@ def test_second_build_into_the_same_directory_is_refused(tiny, tmp_path):
     """Two builds appending to one --out duplicated rows; the second now stops at once."""
     out = tmp_path / "ds"
     out.mkdir()
-    held = B._lock_dir(out)  # as a running build holds it
+    held = ST._lock_dir(out)  # as a running build holds it
     with pytest.raises(ValueError, match="being written by another"):
         B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 3))], out, max_new_tokens=3, progress=False)
     assert not (out / "manifest.json").exists()
@@ -250,14 +253,14 @@ def test_build_refuses_other_target_and_load_checks_target(tiny, tmp_path):
                     progress=False)
     other = load_target("random:qwen2")
     with pytest.raises(ValueError, match=r"random:llama.*random:qwen2"):
-        B.load_dataset(out, other)
+        DL.load_dataset(out, other)
     with pytest.raises(ValueError, match="random:llama"):
         B.build_dataset(other, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, resume=True,
                         progress=False)
     m = out / "manifest.json"
     m.write_text(m.read_text()[:50])  # truncated manifest: the error names the file
     with pytest.raises(ValueError, match=r"manifest.json is damaged"):
-        B.load_dataset(out, tiny)
+        DL.load_dataset(out, tiny)
 
 
 def test_build_empty_prompt_file(tiny, tmp_path):
@@ -317,7 +320,7 @@ def test_interrupted_build_is_not_complete_and_resumes(tiny, tmp_path, monkeypat
     monkeypatch.setattr(B, "generate_batch", flaky)
     with pytest.raises(KeyboardInterrupt):
         B.build_dataset(tiny, [src], out, max_new_tokens=4, batch_size=2, progress=False)
-    man = B.read_manifest(out)
+    man = ST.read_manifest(out)
     assert man["complete"] is False and man["counts"]["prompts"] == 2
     with open(out / "data-00000.jsonl", "a") as f:
         f.write('{"id": "torn", "prompt_ids": [1')  # a crash mid-write
@@ -425,25 +428,25 @@ def test_pack_resume_and_load(tiny, tmp_path):
     out = tmp_path / "ds"
     B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 5))], out, max_new_tokens=6, batch_size=2,
                     progress=False)
-    before = [(s.id, s.input_ids) for s in B.load_dataset(out, tiny)]
-    man = B.pack_dataset(out)
+    before = [(s.id, s.input_ids) for s in DL.load_dataset(out, tiny)]
+    man = ST.pack_dataset(out)
     assert man["shards"] == ["data-00000.jsonl.gz"] and not list(out.glob("data-*.jsonl"))
     e = man["packed"]["data-00000.jsonl.gz"]
     assert e["rows"] == 5 and e["bytes"] == (out / "data-00000.jsonl.gz").stat().st_size
-    assert [(s.id, s.input_ids) for s in B.load_dataset(out, tiny)] == before
+    assert [(s.id, s.input_ids) for s in DL.load_dataset(out, tiny)] == before
     man = B.build_dataset(tiny, [str(_prompts(tmp_path / "b.jsonl", 8))], out, max_new_tokens=6, batch_size=3,
                           resume=True, progress=False)
     assert man["counts"]["prompts"] == 8 and man["runs"][-1]["new_rows"] == 3
     assert man["shards"] == ["data-00000.jsonl.gz", "data-00001.jsonl"]
-    assert sorted(s.id for s in B.load_dataset(out, tiny)) == [f"q{i}" for i in range(8)]
-    man = B.pack_dataset(out)  # packs only the new shard; the first keeps its bytes
+    assert sorted(s.id for s in DL.load_dataset(out, tiny)) == [f"q{i}" for i in range(8)]
+    man = ST.pack_dataset(out)  # packs only the new shard; the first keeps its bytes
     assert man["packed"]["data-00000.jsonl.gz"] == e and man["packed"]["data-00001.jsonl.gz"]["rows"] == 3
     gz = out / "data-00000.jsonl.gz"
     raw = bytearray(gz.read_bytes())
     raw[20] ^= 0xFF  # one damaged byte
     gz.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="data-00000.jsonl.gz differs from the sha256"):
-        B.load_dataset(out, tiny)
+        DL.load_dataset(out, tiny)
 
 
 def test_pack_refuses_what_would_lose_rows(tiny, tmp_path):
@@ -452,24 +455,24 @@ def test_pack_refuses_what_would_lose_rows(tiny, tmp_path):
     out = tmp_path / "ds"
     B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 3))], out, max_new_tokens=4, batch_size=2,
                     progress=False)
-    B.pack_dataset(out)
+    ST.pack_dataset(out)
     plain = out / "data-00000.jsonl"
     plain.write_text(json.dumps({"id": "x", "prompt_ids": [1], "response_ids": [2]}) + "\n")
     with pytest.raises(ValueError, match="both exist"):
-        B.pack_dataset(out)
+        ST.pack_dataset(out)
     plain.rename(out / "data-00001.jsonl")
     (out / "data-00001.jsonl").write_text(json.dumps({"id": "x", "prompt_ids": [1], "response_ids": [2]}))
     with pytest.raises(ValueError, match="ends without a newline"):
-        B.pack_dataset(out)
+        ST.pack_dataset(out)
     assert (out / "data-00001.jsonl").exists() and not (out / "data-00001.jsonl.gz").exists()
     (out / "data-00001.jsonl").unlink()
     (out / "data-00009.jsonl.gz").write_bytes(b"stray")
     before = (out / "manifest.json").read_bytes()
     with pytest.raises(ValueError, match="not listed"):
-        B.pack_dataset(out)
+        ST.pack_dataset(out)
     assert (out / "manifest.json").read_bytes() == before
     with pytest.raises(ValueError, match="does not exist"):
-        B.pack_dataset(tmp_path / "nothing")
+        ST.pack_dataset(tmp_path / "nothing")
 
 
 def test_engine_generator_rows_are_the_runtimes_greedy_output(tmp_path, one_thread):

@@ -63,7 +63,8 @@ def test_gpu_script_runs_end_to_end_on_cpu_within_the_device_limits(tmp_path):
     # the new data comes back packed (sha256 in its manifest) and loads
     with tarfile.open(out / "data.tar") as t:
         t.extractall(tmp_path / "d", filter="data")
-    from dspine.data.build import load_dataset, read_manifest
+    from dspine.data.load import load_dataset
+    from dspine.data.store import read_manifest
     man = read_manifest(tmp_path / "d" / "data")
     assert man["counts"]["prompts"] == 6 and man["sampling"]["device"] == "cpu"
     assert all(s.endswith(".jsonl.gz") for s in man["shards"])

@@ -406,7 +406,7 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert card["train_config"]["eval_prompts"] == 1  # the card records the --eval-prompts used
     assert card["data_summary"] == "teacher-forcing text"  # only `data text` output: no regenerated claim
     assert "(teacher-forcing text; held-out sets excluded" in (run / "final" / "README.md").read_text()
-    from dspine.train.cli import write_model_card
+    from dspine.train.card import write_model_card
     good = (run / "final" / "card.json").read_text()
     nulls = {**card, "train_config": None, "heldout_acceptance_greedy_fp32": None, "data": None,
              "data_commands": None, "lineage": None}

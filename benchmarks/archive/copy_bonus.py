@@ -22,8 +22,8 @@ import torch
 
 from dspine.build import DEFAULT_CHECKPOINTS
 from dspine.config import SamplingConfig
-from dspine.data.build import encode_record
 from dspine.data.sources import heldout_prompts
+from dspine.data.tokenizer import encode_record
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine

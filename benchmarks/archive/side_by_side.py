@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 
 from dspine.config import SamplingConfig
-from dspine.data.build import encode_record
 from dspine.data.sources import heldout_prompts
+from dspine.data.tokenizer import encode_record
 
 
 def load_smollm2_dense(linear_backend: str = "auto"):

@@ -37,7 +37,7 @@ def sh(cmd: list[str], log: Path) -> None:
 
 
 def prompts(target, n: int) -> list[dict]:
-    from dspine.data.build import encode_record
+    from dspine.data.tokenizer import encode_record
     from dspine.data.sources import heldout_prompts
 
     out = []

@@ -291,7 +291,7 @@ def _strip_module_docstring(src: str) -> str:
 
 
 def _encode_chat(target, messages: list[dict]) -> list[int]:
-    from dspine.data.build import encode_record
+    from dspine.data.tokenizer import encode_record
 
     return encode_record(target, {"kind": "chat", "messages": messages})
 

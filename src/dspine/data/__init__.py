@@ -4,7 +4,10 @@
   ShareGPT, code cut from the Python standard library, user JSONL) and the committed
   train/eval splits (``splits.json``).
 * :mod:`dspine.data.build`: regeneration of responses by the target itself
-  (``dspine data build``), resumable JSONL shards + manifest, and :func:`load_dataset`.
+  (``dspine data build``); :mod:`dspine.data.generate` the batched greedy generation it runs.
+* :mod:`dspine.data.store`: a data directory on disk (resumable JSONL shards + manifest,
+  packing); :mod:`dspine.data.tokenizer` its tie to the target's tokenizer.
+* :mod:`dspine.data.load`: :func:`load_dataset`, a data directory as training sequences.
 """
 from __future__ import annotations
 
@@ -28,7 +31,10 @@ __all__ = [
 
 
 def __getattr__(name):  # lazy: build.py imports torch/transformers
-    if name in ("build_dataset", "load_dataset"):
+    if name == "build_dataset":
         from dspine.data import build
-        return getattr(build, name)
+        return build.build_dataset
+    if name == "load_dataset":
+        from dspine.data import load
+        return load.load_dataset
     raise AttributeError(name)

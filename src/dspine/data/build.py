@@ -4,162 +4,26 @@ The drafter learns the target's distribution, so every training response is the
 target's own greedy continuation of a training prompt: chat prompts through the
 target's chat template (raw text when it has none), code prompts as raw continuation.
 
-Output directory layout::
-
-    data-00000.jsonl ...  rows {id, source, kind, prompt_ids, response_ids, finished}
-    data-00000.jsonl.gz   the same rows, packed (``dspine data pack``: gzip, sha256 in the
-                          manifest) for committing to the repository; read like plain shards
-    manifest.json         target, tokenizer fingerprint, template, settings, counts,
-                          ``complete`` (true only after the whole prompt stream ran),
-                          ``packed`` {shard name: {sha256, bytes, rows}}
-
-Rows are appended one batch at a time with a single write + fsync; a torn last line
+The output directory (shards + ``manifest.json``) is laid out as :mod:`dspine.data.store`
+describes. Rows are appended one batch at a time with a single write + fsync; a torn last line
 (crash mid-write) is cut off on ``--resume``. ``--resume`` skips ids already written.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from dspine.data.generate import cpu_speed_patches, generate_batch, generate_batch_hf  # noqa: F401
+from dspine.data.generate import batch_engine, cpu_speed_patches, generate_batch, generate_engine
 from dspine.data.sources import interleave, iter_jsonl_prompts, training_prompts
-
-FORMAT = "dspine-data/1"
-MANIFEST = "manifest.json"
-
-
-# -- target identity -------------------------------------------------------------------
-def tokenizer_fingerprint(tok) -> dict:
-    """name_or_path, vocab size and a sha256 of the vocabulary (token -> id) of ``tok``."""
-    if hasattr(tok, "get_vocab"):
-        vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-        digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-    else:  # dspine's ByteTokenizer (random targets)
-        digest = hashlib.sha256(f"{type(tok).__name__}:{len(tok)}".encode()).hexdigest()
-    return {"name_or_path": str(getattr(tok, "name_or_path", type(tok).__name__)),
-            "vocab_size": int(len(tok)), "vocab_sha256": digest}
-
-
-def _template_info(tok) -> dict:
-    tmpl = getattr(tok, "chat_template", None)
-    return {"chat": "tokenizer chat template, add_generation_prompt" if tmpl else "none: raw text",
-            "chat_template_sha256": hashlib.sha256(tmpl.encode()).hexdigest() if tmpl else None,
-            "code": "raw continuation, no template"}
-
-
-def encode_record(target, rec: dict) -> list[int]:
-    """Prompt ids of a record: chat template for chat/tool kinds when the target has one."""
-    tok = target.tokenizer
-    has_tmpl = getattr(tok, "chat_template", None) is not None
-    if "messages" in rec:
-        if has_tmpl and rec.get("kind") != "code":
-            ids = tok.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        text = "\n".join(str(m.get("content") or "") for m in rec["messages"])
-        return target.encode_prompt(text, chat=False)
-    chat = rec.get("kind") != "code" and has_tmpl
-    return target.encode_prompt(rec["prompt"], chat=chat)
-
-
-# -- shards and manifest -------------------------------------------------------------------
-def _shards(out: Path) -> list[Path]:
-    """Plain (still growing) shards."""
-    return sorted(out.glob("data-*.jsonl"))
-
-
-def _packed(out: Path) -> list[Path]:
-    """Packed shards (``dspine data pack``)."""
-    return sorted(out.glob("data-*.jsonl.gz"))
-
-
-def _index(shard: Path) -> int:
-    """The shard number of ``data-NNNNN.jsonl[.gz]``.
-
-    Raises:
-        ValueError: a file named like a shard whose number is not an integer (names it).
-    """
-    num = shard.name.split(".")[0][len("data-"):]
-    if not num.isdigit():
-        raise ValueError(f"{shard} is not a shard name (data-NNNNN.jsonl or .jsonl.gz); move it out of "
-                         f"{shard.parent}")
-    return int(num)
-
-
-def _all_shards(out: Path) -> list[Path]:
-    """Packed and plain shards in row order (by shard number)."""
-    return sorted(_packed(out) + _shards(out), key=_index)
-
-
-def _shard_bytes(shard: Path) -> bytes:
-    if shard.name.endswith(".gz"):
-        import gzip
-
-        try:
-            return gzip.decompress(shard.read_bytes())
-        except (OSError, EOFError) as e:
-            raise ValueError(f"{shard} is damaged ({e}); restore it from the repository") from None
-    return shard.read_bytes()
-
-
-def _repair_and_scan(out: Path) -> tuple[set[str], dict]:
-    """Cut torn trailing lines off every plain shard; return done ids and row/token counts
-    over packed and plain shards."""
-    done: set[str] = set()
-    counts = {"prompts": 0, "prompt_tokens": 0, "response_tokens": 0, "finished": 0}
-    for shard in _all_shards(out):
-        data = _shard_bytes(shard)
-        keep = data.rfind(b"\n") + 1
-        if keep != len(data) and not shard.name.endswith(".gz"):
-            with open(shard, "r+b") as f:
-                f.truncate(keep)
-        for lineno, line in enumerate(data[:keep].splitlines(), 1):
-            row = _parse_row(line, shard, lineno)
-            done.add(str(row["id"]))
-            counts["prompts"] += 1
-            counts["prompt_tokens"] += len(row["prompt_ids"])
-            counts["response_tokens"] += len(row["response_ids"])
-            counts["finished"] += int(bool(row.get("finished")))
-    return done, counts
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_manifest(out_dir: str | Path) -> dict | None:
-    """The manifest of a data directory, or None when it has none.
-
-    Raises:
-        ValueError: the manifest is not valid JSON (names the file).
-    """
-    p = Path(out_dir) / MANIFEST
-    if not p.exists():
-        return None
-    try:
-        man = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p} is damaged (not valid JSON: {e}); rebuild the dataset or restore the file") from None
-    if not isinstance(man, dict):
-        raise ValueError(f"{p} is damaged (not a JSON object); rebuild the dataset or restore the file")
-    return man
-
-
-def _same_target(man: dict, target, fp: dict) -> bool:
-    same_name = man.get("target") == target.name or (
-        target.path is not None and man.get("target_path") == target.path)
-    return same_name and man.get("tokenizer", {}).get("vocab_sha256") == fp["vocab_sha256"]
+from dspine.data.store import (FORMAT, MANIFEST, _all_shards, _index, _lock_dir, _packed, _repair_and_scan, _shards,
+                               _write_json_atomic, read_manifest)
+from dspine.data.tokenizer import _same_target, _template_info, encode_record, tokenizer_fingerprint
 
 
 def parse_shard(text: str, option: str = "--shard") -> tuple[int, int]:
@@ -221,51 +85,8 @@ def _auto_dtype(target: str, out_dir, resume: bool, batch_size: int, progress: b
     return c.chosen
 
 
-def _lock_dir(out: Path):
-    """Take an exclusive lock on ``out/.lock`` so two builds never append to one directory.
-
-    Returns the open lock file (the lock lasts while it is open). Raises ValueError
-    naming ``--out`` when another process holds it. No-op where ``fcntl`` is missing.
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        return None
-    f = open(out / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise ValueError(f"--out {out} is being written by another `dspine data build`; wait for it "
-                         f"to finish (or stop it), then --resume, or use another --out") from None
-    return f
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def batch_engine(target, max_running: int, progress: bool = False):
-    """dspine's plain target loop (``ar``) over its measured runtime, batched: what
-    ``--generator engine`` generates with (:func:`build_dataset`)."""
-    from dspine.core.batch import BatchEngine
-    from dspine.core.engine import Engine
-    from dspine.runtime.packed import apply_linear_backend
-    from dspine.runtime.select import apply_runtime
-
-    apply_runtime(target, "auto")
-    apply_linear_backend(target, "auto", progress=progress)
-    return BatchEngine(Engine(target, None, "ar"), max_running=max_running)
-
-
-def generate_engine(engine, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> list[tuple[list[int], bool]]:
-    """Greedy continuations with a :func:`batch_engine`: (response ids, finished) each, the
-    response ending with (and including) its first EOS token, as :func:`generate_batch`."""
-    from dspine.config import SamplingConfig
-
-    eos = set(int(e) for e in eos_ids)
-    res = engine.generate_many([list(p) for p in prompts], SamplingConfig(), max_new_tokens)
-    return [(list(r.token_ids), bool(r.token_ids) and r.token_ids[-1] in eos) for r in res]
 
 
 def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompts: int | None = None,
@@ -509,170 +330,3 @@ def _undo_refused(out: Path, top: Path | None, had_lock: bool) -> None:
         if d == top:
             return
         d = d.parent
-
-
-# -- reading ------------------------------------------------------------------------------
-@dataclass
-class Sequence:
-    """One training sequence: ``input_ids`` = prompt + response; response from ``response_start``."""
-
-    id: str
-    input_ids: list[int]
-    response_start: int
-    finished: bool
-    source: str
-    kind: str
-
-
-def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
-    """Sequences of a built data directory, after checking it belongs to ``target``.
-
-    Args:
-        target: a loaded ``Target`` or a target name (loaded to fingerprint its tokenizer).
-    Raises:
-        ValueError: no manifest, the manifest's target/tokenizer differs (names both), or
-            a damaged row (names the shard file and line).
-    """
-    from dspine.target.adapter import Target, load_target
-
-    d = Path(data_dir)
-    man = read_manifest(d)
-    if man is None:
-        raise ValueError(f"{d} has no {MANIFEST}: not a dspine data directory")
-    tgt = target if isinstance(target, Target) else load_target(target)
-    fp = tokenizer_fingerprint(tgt.tokenizer)
-    if not _same_target(man, tgt, fp):
-        raise ValueError(f"data in {d} was built for target {man.get('target')!r} (tokenizer "
-                         f"{man.get('tokenizer', {}).get('vocab_sha256', '?')[:12]}), not for target "
-                         f"{tgt.name!r} (tokenizer {fp['vocab_sha256'][:12]})")
-    if not man.get("complete", False):
-        print(f"note: {d} is an unfinished build ({man.get('counts', {}).get('prompts', 0)} rows so far); "
-              f"using the rows written (finish it with `dspine data build ... --resume`)", file=sys.stderr)
-    verify_packed(d, man)
-    seqs = []
-    for shard in _all_shards(d):
-        data = _shard_bytes(shard)
-        for lineno, line in enumerate(data.splitlines(keepends=True), 1):
-            if not line.endswith(b"\n"):
-                break  # torn tail of an interrupted run
-            row = _parse_row(line, shard, lineno)
-            p, r = row["prompt_ids"], row["response_ids"]
-            seqs.append(Sequence(str(row["id"]), p + r, len(p), bool(row.get("finished", False)),
-                                 str(row.get("source", "?")), row.get("kind", "chat")))
-    return seqs
-
-
-def pack_dataset(data_dir: str | Path) -> dict:
-    """Pack the plain shards of a data directory in place: each ``data-N.jsonl`` becomes
-    ``data-N.jsonl.gz`` (gzip level 9, no timestamp, so the same rows give the same
-    bytes), its sha256, size and row count go into the manifest's ``packed`` table, and
-    the plain shard is removed. A later ``dspine data build --resume`` appends to a new
-    plain shard; packing again packs only that one. Returns the manifest.
-
-    Raises:
-        ValueError: no manifest, or a damaged row (names the shard and line).
-    """
-    import gzip
-    import hashlib
-
-    d = _data_dir(data_dir)
-    man = read_manifest(d)
-    if man is None:
-        raise ValueError(f"{d} has no {MANIFEST}: not a dspine data directory")
-    lock = _lock_dir(d)  # not while a build writes here
-    try:
-        verify_packed(d, man)  # a damaged directory is refused before anything is written
-        packed = man.setdefault("packed", {})
-        todo = []
-        for shard in _shards(d):  # check every plain shard before packing any
-            _index(shard)
-            dest = shard.with_name(shard.name + ".gz")
-            if dest.exists():
-                raise ValueError(f"{shard} and {dest.name} both exist: packing would overwrite the packed "
-                                 f"rows; move one of them out of {d}")
-            raw = shard.read_bytes()
-            if raw and not raw.endswith(b"\n"):
-                raise ValueError(f"{shard} ends without a newline (an interrupted write?): `dspine data build "
-                                 f"... --resume` cuts a torn last line; or fix the file, then pack again")
-            for lineno, line in enumerate(raw.splitlines(), 1):
-                _parse_row(line, shard, lineno)
-            todo.append((shard, dest, raw))
-        for shard, dest, raw in todo:
-            gz = gzip.compress(raw, compresslevel=9, mtime=0)
-            tmp = dest.with_name(dest.name + ".tmp")
-            tmp.write_bytes(gz)
-            os.replace(tmp, dest)
-            packed[dest.name] = {"sha256": hashlib.sha256(gz).hexdigest(), "bytes": len(gz),
-                                 "rows": len(raw.splitlines()), "raw_bytes": len(raw)}
-            man["shards"] = [p.name for p in _all_shards(d) if p != shard]
-            _write_json_atomic(d / MANIFEST, man)
-            shard.unlink()
-        man["shards"] = [p.name for p in _all_shards(d)]
-        man["packed_bytes"] = sum(v["bytes"] for v in packed.values())
-        _write_json_atomic(d / MANIFEST, man)
-        return man
-    finally:
-        if lock is not None:
-            lock.close()
-
-
-def _data_dir(path: str | Path) -> Path:
-    """``path`` as an existing directory.
-
-    Raises:
-        ValueError: it does not exist or is not a directory (names it).
-    """
-    d = Path(path)
-    if not d.exists():
-        raise ValueError(f"{d} does not exist")
-    if not d.is_dir():
-        raise ValueError(f"{d} is not a directory (a data directory holds manifest.json and data-*.jsonl shards)")
-    return d
-
-
-def verify_packed(data_dir: str | Path, man: dict | None = None) -> None:
-    """Check every packed shard against the sha256 in the manifest.
-
-    Raises:
-        ValueError: a packed shard listed in the manifest is missing or its bytes differ
-            (names the file), or a packed shard is not listed.
-    """
-    import hashlib
-
-    d = Path(data_dir)
-    man = man if man is not None else (read_manifest(d) or {})
-    table = man.get("packed", {})
-    for shard in _packed(d):
-        e = table.get(shard.name)
-        if e is None:
-            raise ValueError(f"{shard} is not listed in {d / MANIFEST} (packed shards are checked by sha256)")
-        if hashlib.sha256(shard.read_bytes()).hexdigest() != e.get("sha256"):
-            raise ValueError(f"{shard} differs from the sha256 in {d / MANIFEST}: the data is damaged; "
-                             f"restore it from the repository")
-    missing = sorted(set(table) - {p.name for p in _packed(d)})
-    if missing:
-        raise ValueError(f"{d}: packed shards {missing[:3]} listed in {MANIFEST} are missing")
-
-
-def _ids_ok(v) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-
-
-def _parse_row(line: bytes, shard: Path, lineno: int) -> dict:
-    """One data row, checked: an object with ``id`` and integer lists ``prompt_ids`` /
-    ``response_ids``.
-
-    Raises:
-        ValueError: naming the shard file and line (damaged or hand-edited data).
-    """
-    try:
-        row = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{shard}, line {lineno}: not valid JSON ({e}); the data is damaged") from None
-    if not isinstance(row, dict) or "id" not in row:
-        raise ValueError(f"{shard}, line {lineno}: not a data row (an object with id, prompt_ids, response_ids)")
-    for k in ("prompt_ids", "response_ids"):
-        if not _ids_ok(row.get(k)):
-            raise ValueError(f"{shard}, line {lineno}: {k} must be a list of integer token ids, got "
-                             f"{str(row.get(k))[:40]!r}; the data is damaged")
-    return row

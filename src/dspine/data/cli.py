@@ -1,4 +1,5 @@
-"""Command line of ``dspine data build|text|info`` (the dataset code is in :mod:`.build`)."""
+"""Command line of ``dspine data build|text|info`` (the dataset code is in :mod:`.build`,
+:mod:`.store` and :mod:`.load`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,8 @@ import sys
 from pathlib import Path
 
 from dspine.argtypes import nonneg_int, positive_float, positive_int, thread_count
-from dspine.data.build import MANIFEST, _data_dir, build_dataset, pack_dataset, parse_shard, read_manifest, verify_packed
+from dspine.data.build import build_dataset, parse_shard
+from dspine.data.store import MANIFEST, _data_dir, pack_dataset, read_manifest, verify_packed
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +77,7 @@ def _cmd_vocab(args) -> int:
     from dspine.config import DSpineConfig
     from dspine.drafter.vocab import coverage, frequent_tokens, save_draft_vocab
     from dspine.target.adapter import load_target
-    from dspine.data.build import load_dataset
+    from dspine.data.load import load_dataset
 
     ck = Path(args.drafter)
     if not (ck / "config.json").is_file():

@@ -3,7 +3,8 @@
 :func:`generate_batch` gives the same tokens as transformers' ``model.generate``
 (greedy, left padding, positions from the attention mask) but drops finished rows
 from the batch and its KV cache. :func:`cpu_speed_patches` are two measured CPU
-fixes applied around a build.
+fixes applied around a build. :func:`batch_engine` / :func:`generate_engine` generate with
+dspine's own batched engine instead (``--generator engine``).
 """
 from __future__ import annotations
 
@@ -141,3 +142,27 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
                     past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1)
     return [(r, done[i]) for i, r in enumerate(results)]
+
+
+# -- dspine's own engine (--generator engine) ------------------------------------------
+def batch_engine(target, max_running: int, progress: bool = False):
+    """dspine's plain target loop (``ar``) over its measured runtime, batched: what
+    ``--generator engine`` generates with (:func:`dspine.data.build.build_dataset`)."""
+    from dspine.core.batch import BatchEngine
+    from dspine.core.engine import Engine
+    from dspine.runtime.packed import apply_linear_backend
+    from dspine.runtime.select import apply_runtime
+
+    apply_runtime(target, "auto")
+    apply_linear_backend(target, "auto", progress=progress)
+    return BatchEngine(Engine(target, None, "ar"), max_running=max_running)
+
+
+def generate_engine(engine, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> list[tuple[list[int], bool]]:
+    """Greedy continuations with a :func:`batch_engine`: (response ids, finished) each, the
+    response ending with (and including) its first EOS token, as :func:`generate_batch`."""
+    from dspine.config import SamplingConfig
+
+    eos = set(int(e) for e in eos_ids)
+    res = engine.generate_many([list(p) for p in prompts], SamplingConfig(), max_new_tokens)
+    return [(list(r.token_ids), bool(r.token_ids) and r.token_ids[-1] in eos) for r in res]

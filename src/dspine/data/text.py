@@ -19,7 +19,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from dspine.argtypes import positive_int
-from dspine.data.build import FORMAT, MANIFEST, _write_json_atomic, tokenizer_fingerprint
+from dspine.data.store import FORMAT, MANIFEST, _write_json_atomic
+from dspine.data.tokenizer import tokenizer_fingerprint
 from dspine.data.sources import _iter_json_array, _module_path, is_eval_record, is_heldout_module, stdlib_modules
 
 

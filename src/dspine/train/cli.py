@@ -1,15 +1,15 @@
-"""``dspine train`` and ``dspine acceptance`` commands.
+"""``dspine train``, ``dspine train-features`` and ``dspine acceptance`` commands.
 
 ``dspine train --target T --data DIR --config small|PATH --mode dspine|dflash --out DIR``
 trains a drafter (see :mod:`dspine.train.loop`), then exports ``DIR/final`` with a
-model card. ``dspine acceptance --drafter DIR --sets code chat`` measures held-out
-acceptance length tau with the real engine loop (greedy, float32 by default).
+model card (:mod:`dspine.train.card`). ``dspine acceptance --drafter DIR --sets code chat``
+measures held-out acceptance length tau with the real engine loop, greedy, float32 by
+default (:mod:`dspine.train.acceptance`).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -17,212 +17,8 @@ from pathlib import Path
 import torch
 
 from dspine.argtypes import PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
-
-
-def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
-                       progress: bool = False, proposer: str = "drafter", tree=None,
-                       copy_bonus: float | None = None, vocab: torch.Tensor | None = None) -> dict:
-    """Held-out mean acceptance length tau per prompt set, by the engine loop (greedy).
-
-    ``proposer``: ``drafter`` (the drafter alone, the default: what training improves),
-    ``ngram`` or ``hybrid`` (:mod:`dspine.proposers`); with more than one source the
-    result also holds ``sources_<set>`` (cycles, proposals, accepted per source).
-    ``tree``: a :class:`dspine.trees.TreeSpec` to verify draft trees (the target must run the
-    dense runtime); the result then also holds ``tree_nodes_<set>``, the mean nodes per cycle.
-    ``copy_bonus``: the hybrid fuses copies into the final stage (``--copy-bonus``).
-    ``vocab``: a draft vocabulary for the candidate pass (:mod:`dspine.drafter.vocab`; None = all).
-
-    Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
-    "row_accept_<set>": [...], "row_conditional_<set>": [...], "n_<set>": prompts}``, where
-    ``row_accept[k-1]`` is the share of cycles verifying row k that accepted it (with a chain,
-    rows < k were accepted too) and ``row_conditional[k-1]`` that share given row k-1 accepted. Prompts come from :func:`dspine.data.sources.heldout_prompts`
-    (never trained on).
-    """
-    from dspine.data.build import encode_record
-    from dspine.data.sources import heldout_prompts
-    from dspine.proposers.drafter import DrafterProposer
-    from dspine.core.engine import Engine
-    from dspine.proposers import make_proposer
-
-    was_training = drafter.training
-    drafter.eval()
-    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter, vocab=vocab), copy_bonus=copy_bonus),
-                 drafter.cfg.mode, tree=tree)
-    res = {}
-    for s in sets:
-        prompts = heldout_prompts(s, n)
-        emitted = cycles = 0
-        per, by_src, nodes = [], {}, []
-        acc_k: list[float] = []  # per row k: cycles that accepted row k (pooled over prompts)
-        drafted_k: list[int] = []  # per row k: cycles that drafted (verified) row k
-        it = prompts
-        if progress:
-            from tqdm.auto import tqdm
-            it = tqdm(prompts, desc=f"acceptance {s}")
-        for rec in it:
-            ids = encode_record(target, rec)[-768:]
-            with torch.no_grad():
-                r = eng.generate(ids, max_new_tokens=max_new_tokens)
-            st = r.stats
-            emitted += round(st.accepted_length_mean * st.cycles)  # tokens emitted by cycles
-            cycles += st.cycles
-            per.append(round(st.accepted_length_mean, 3))
-            for k, rate in enumerate(st.accepted_per_position):
-                d = sum(1 for v in st.verification_lengths if v > k)
-                while len(acc_k) <= k:
-                    acc_k.append(0.0)
-                    drafted_k.append(0)
-                acc_k[k] += rate * d
-                drafted_k[k] += d
-            nodes.extend(st.tree_nodes)
-            for src, d in st.sources.items():
-                agg = by_src.setdefault(src, {"cycles": 0, "proposed": 0, "accepted": 0, "emitted": 0})
-                for k in agg:
-                    agg[k] += d[k]
-        res[f"tau_{s}"] = round(emitted / max(1, cycles), 4)
-        if proposer != "drafter":
-            res[f"sources_{s}"] = {k: {**d, "tau": round(d["emitted"] / max(1, d["cycles"]), 4)}
-                                   for k, d in by_src.items()}
-        res[f"tau_{s}_per_prompt"] = per
-        # row k accepted among cycles that verified it (a chain: rows < k accepted too), and the
-        # conditional rate given row k-1 accepted (row 1: given the anchor)
-        rates = [round(a / d, 4) if d else None for a, d in zip(acc_k, drafted_k)]
-        res[f"row_accept_{s}"] = rates
-        res[f"row_conditional_{s}"] = [r if k == 0 or not rates[k - 1] or r is None else round(r / rates[k - 1], 4)
-                                       for k, r in enumerate(rates)]
-        res[f"n_{s}"] = len(prompts)
-        res["draft_tree"] = eng.tree_info()
-        if nodes:
-            res[f"tree_nodes_{s}"] = round(sum(nodes) / len(nodes), 2)
-    res["max_new_tokens"] = max_new_tokens
-    drafter.train(was_training)
-    return res
-
-
-_OLD_DATA_SUMMARY = ("target-regenerated responses plus teacher-forcing text from training stdlib modules "
-                     "and ShareGPT")  # cards written before data_summary existed
-
-
-def _data_summary(data_dirs) -> str:
-    """What kinds of sequences a --data list holds, for the model card: target-regenerated
-    responses (`dspine data build`) and/or teacher-forcing text (`dspine data text`)."""
-    from dspine.data.build import read_manifest
-
-    kinds = set()
-    for d in data_dirs:
-        try:
-            kinds.add("text" if (read_manifest(Path(d)) or {}).get("kind") == "text" else "build")
-        except Exception:  # noqa: BLE001 (the card is informational; loading already checked the data)
-            kinds.add("?")
-    parts = (["target-regenerated responses"] if "build" in kinds else []) + \
-            (["teacher-forcing text"] if "text" in kinds else [])
-    return " plus ".join(parts) if parts and "?" not in kinds else "data of unknown kind"
-
-
-def _schedule(ratio) -> str:
-    """The learning-rate schedule's end for the model card (--min-lr-ratio); empty when
-    the card does not record a number."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        return ""
-    return "(cosine down to 0)" if ratio == 0 else f"(cosine down to {ratio:g} x lr)"
-
-
-def _subset_text(subset, vocab) -> str:
-    """The card's vocabulary subset: ``all`` when it is off or spans the vocabulary."""
-    if not subset or (isinstance(vocab, int) and isinstance(subset, int) and subset >= vocab):
-        return "all"
-    return str(subset)
-
-
-def _card_command(cmd) -> str:
-    """A card's command entry: ``"cmd"`` or ``{"cmd": ..., "note": ...}`` (note kept out of the code span)."""
-    if isinstance(cmd, dict):
-        return f"`{cmd.get('cmd')}`" + (f" ({cmd['note']})" if cmd.get("note") else "")
-    return f"`{cmd}`"
-
-
-def write_model_card(ckpt: str | Path) -> Path:
-    """Render ``README.md`` (the model card) of a checkpoint from its ``card.json``.
-
-    Leads with the total training (all warm-started runs), then this run's data,
-    commands and settings, the lineage of earlier runs when ``card.json`` lists one
-    (``lineage``: dicts with ``commit``, ``steps``, ``total_steps``, ``data_sequences``,
-    ``data_response_tokens``, ``tau_code``, ``tau_chat``), and the held-out acceptance.
-    Returns the path of the written ``README.md``. Optional fields that are missing or
-    null are left out.
-
-    Raises:
-        ValueError: ``card.json`` / ``config.json`` is not a JSON object or lacks a field
-            the card needs (``target``, ``mode``; ``bridge``, ``block_size``,
-            ``num_layers``, ``target_hidden``, ``feature_layers``), naming file and field.
-    """
-    from dspine.drafter.checkpoint import read_card
-    from dspine.train.loop import Trainer
-
-    ckpt = Path(ckpt)
-    c = read_card(ckpt)  # ConfigError (a ValueError) when damaged or not an object
-    cfg = json.loads((ckpt / "config.json").read_text())
-    for name, d, keys in (("card.json", c, ("target", "mode")),
-                          ("config.json", cfg, ("bridge", "block_size", "num_layers", "target_hidden",
-                                                "feature_layers"))):
-        if not isinstance(d, dict):
-            raise ValueError(f"{ckpt / name} is not a JSON object; cannot render the model card")
-        missing = [k for k in keys if d.get(k) is None]
-        if missing:
-            raise ValueError(f"{ckpt / name} lacks {', '.join(missing)}; cannot render the model card")
-    acc = c.get("heldout_acceptance_greedy_fp32") or {}
-    tc = c.get("train_config") or {}
-    total = c.get("total_steps") or c.get("steps")
-    total_wall = c.get("total_wall_time_s") or c.get("wall_time_s")
-    lines = [
-        f"# {c['target']} {c['mode']} drafter", "",
-        f"Drafter for target `{c['target']}` ({'DSpine: bridge + final stage, causal block' if cfg['bridge'] else 'DFlash-style: no bridge, no final stage, bidirectional block'}), "
-        f"block size {cfg['block_size']}, {cfg['num_layers']} layers, hidden {cfg['target_hidden']}, "
-        f"feature layers {cfg['feature_layers']}. Weights bf16 (`model.safetensors`), config in `config.json`.", "",
-        f"**{total} training steps in all** ({total_wall} s of training); " + (
-            f"held-out τ {acc.get('tau_code')} (code) / {acc.get('tau_chat')} (chat), see below."
-            if acc.get("tau_code") is not None else "held-out τ not measured by this run (see below)."), "",
-        "## Training (last run)", "",
-        f"- data: {', '.join(map(str, c.get('data') or []))} — {c.get('data_sequences')} sequences, "
-        f"{c.get('data_response_tokens')} response tokens ({c.get('data_summary', _OLD_DATA_SUMMARY)}; "
-        "held-out sets excluded, see `src/dspine/data/splits.json`)",
-        *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands") or []]),
-        f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
-        f"max length {tc.get('max_len')}, lr {tc.get('lr')} "
-        f"{_schedule({**Trainer.LEGACY_DEFAULTS, **tc}['min_lr_ratio'] if tc else None)}, "
-        f"warmup {tc.get('warmup')}, vocab subset "
-        f"{_subset_text(tc.get('vocab_subset'), cfg.get('vocab_size'))}, bf16 autocast {tc.get('autocast_bf16')})",
-        *([f"- soft labels: the target's top {tc['soft_topk']} next-token probabilities, weight "
-           f"{tc.get('soft_weight')} in each row's CE"] if tc.get("soft_topk") else []),
-        *([f"- stopped by --time-limit {tc.get('time_limit')} s at step {c.get('steps')} of {tc.get('steps')} "
-           f"(--resume continues the schedule)"] if c.get("stopped_by_time_limit") else []),
-        *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
-          if c.get("init_from") else []),
-        f"- wall time: {c.get('wall_time_s')} s on {c.get('hardware')}, world size {c.get('world_size')}",
-    ]
-    lin = c.get("lineage") or []
-    if lin:
-        lines += ["", "## Lineage (each run warm-started from the one before)", "",
-                  "| commit | steps | total steps | sequences | response tokens | τ code | τ chat | prompts per set |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r.get('commit')} | {r.get('steps')} | {r.get('total_steps')} | {r.get('data_sequences')} | "
-                  f"{r.get('data_response_tokens')} | {r.get('tau_code')} | {r.get('tau_chat')} | "
-                  f"{r.get('n_prompts', '–')} |" for r in lin]
-    target_opt = "" if c["target"] == "smollm2-135m" else f"--target {c['target']} "
-    lines += ["", "## Held-out acceptance (greedy, float32, engine loop, the drafter alone, chains)", ""]
-    if acc.get("tau_code") is not None or acc.get("tau_chat") is not None:
-        lines += [
-            f"- code completion (held-out stdlib modules): tau = {acc.get('tau_code')} over {acc.get('n_code')} prompts",
-            f"- chat (held-out ShareGPT prompts): tau = {acc.get('tau_chat')} over {acc.get('n_chat')} prompts"]
-    else:
-        lines += ["- not measured by this run (`--eval-prompts 0`)"]
-    lines += [
-        "", "tau counts tokens emitted per cycle, bonus/correction included (1.0 = nothing accepted).",
-        f"Measure {'again' if acc.get('tau_code') is not None else 'it'} with `dspine acceptance {target_opt}"
-        f"--drafter <this dir> --sets code chat --n {acc.get('n_code') or 32} "
-        f"--max-new-tokens {acc.get('max_new_tokens', 64)}`.", ""]
-    (ckpt / "README.md").write_text("\n".join(lines))
-    return ckpt / "README.md"
+from dspine.train.acceptance import measure_acceptance
+from dspine.train.card import _data_summary, _hardware, _warm_start_fields, write_model_card
 
 
 def _drafter_config(args, target):
@@ -243,18 +39,6 @@ def _drafter_config(args, target):
                                                              "block_causal": True, "mode": "dspine"})
     d.update(extra)
     return DSpineConfig.from_dict(d)
-
-
-def _warm_start_fields(init_from, steps: int, wall: float) -> dict:
-    """Card fields for a warm-started run: the parent card and cumulative steps/wall time."""
-    if not init_from:
-        return {}
-    from dspine.drafter.checkpoint import read_card
-
-    parent = read_card(init_from)
-    return {"init_from": str(init_from), "parent_steps": parent.get("steps"),
-            "total_steps": steps + int(parent.get("total_steps") or parent.get("steps") or 0),
-            "total_wall_time_s": round(wall + float(parent.get("total_wall_time_s") or parent.get("wall_time_s") or 0), 1)}
 
 
 def cmd_train(args) -> int:
@@ -350,13 +134,6 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _hardware(device: torch.device) -> str:
-    """Where a run trained, for the model card (CPU threads or the GPU's name)."""
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (cuda)"
-    return f"{platform.machine()} {torch.get_num_threads()} threads, cpu"
-
-
 def _training_seqs(data_dirs, target, max_len: int | None = None):
     """(token ids, response start) pairs of the data directories.
 
@@ -368,7 +145,7 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
         ValueError: no usable sequence (names --data and --max-len), or a token id outside
             the target vocabulary (names the --data directory and row).
     """
-    from dspine.data.build import load_dataset
+    from dspine.data.load import load_dataset
 
     data = []
     V = target.vocab_size

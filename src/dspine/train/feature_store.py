@@ -234,7 +234,7 @@ def build_feature_store(target, feature_layers, seqs, max_len: int, out: str | P
             (an index pointing past the end of its shard file); a ``reuse`` store for
             other settings or without sequence hashes.
     """
-    from dspine.data.build import cpu_speed_patches
+    from dspine.data.generate import cpu_speed_patches
     from dspine.train.losses import collate
 
     if max_len < 4:

@@ -1,0 +1,61 @@
+"""Reading a built data directory into training sequences (:func:`load_dataset`), after
+checking that it belongs to the target and that its packed shards are intact.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspine.data.store import MANIFEST, _all_shards, _parse_row, _shard_bytes, read_manifest, verify_packed
+from dspine.data.tokenizer import _same_target, tokenizer_fingerprint
+
+
+@dataclass
+class Sequence:
+    """One training sequence: ``input_ids`` = prompt + response; response from ``response_start``."""
+
+    id: str
+    input_ids: list[int]
+    response_start: int
+    finished: bool
+    source: str
+    kind: str
+
+
+def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
+    """Sequences of a built data directory, after checking it belongs to ``target``.
+
+    Args:
+        target: a loaded ``Target`` or a target name (loaded to fingerprint its tokenizer).
+    Raises:
+        ValueError: no manifest, the manifest's target/tokenizer differs (names both), or
+            a damaged row (names the shard file and line).
+    """
+    from dspine.target.adapter import Target, load_target
+
+    d = Path(data_dir)
+    man = read_manifest(d)
+    if man is None:
+        raise ValueError(f"{d} has no {MANIFEST}: not a dspine data directory")
+    tgt = target if isinstance(target, Target) else load_target(target)
+    fp = tokenizer_fingerprint(tgt.tokenizer)
+    if not _same_target(man, tgt, fp):
+        raise ValueError(f"data in {d} was built for target {man.get('target')!r} (tokenizer "
+                         f"{man.get('tokenizer', {}).get('vocab_sha256', '?')[:12]}), not for target "
+                         f"{tgt.name!r} (tokenizer {fp['vocab_sha256'][:12]})")
+    if not man.get("complete", False):
+        print(f"note: {d} is an unfinished build ({man.get('counts', {}).get('prompts', 0)} rows so far); "
+              f"using the rows written (finish it with `dspine data build ... --resume`)", file=sys.stderr)
+    verify_packed(d, man)
+    seqs = []
+    for shard in _all_shards(d):
+        data = _shard_bytes(shard)
+        for lineno, line in enumerate(data.splitlines(keepends=True), 1):
+            if not line.endswith(b"\n"):
+                break  # torn tail of an interrupted run
+            row = _parse_row(line, shard, lineno)
+            p, r = row["prompt_ids"], row["response_ids"]
+            seqs.append(Sequence(str(row["id"]), p + r, len(p), bool(row.get("finished", False)),
+                                 str(row.get("source", "?")), row.get("kind", "chat")))
+    return seqs
