@@ -8,11 +8,16 @@ import json
 import pytest
 import torch
 
+from dspine.bench import environment as ENV
+from dspine.bench import fairness as FAIR
 from dspine.bench import harness as H
 from dspine.bench import report as R
+from dspine.bench import run_config as RC
+from dspine.bench import summary as SM
 from dspine.bench import workloads as W
 from dspine.bench.checks import check_multifile, check_tool_call, parse_tool_calls, run_humaneval
-from dspine.bench.runners import EngineRunner, HFRunner
+from dspine.bench.hf_runner import HFRunner
+from dspine.bench.runners import EngineRunner
 from dspine.cli.main import main
 from dspine.config import SamplingConfig
 
@@ -25,14 +30,14 @@ def tiny_target():
     return load_target("random:llama", vocab_size=256, seed=1)
 
 
-def tiny_config(**over) -> H.BenchConfig:
+def tiny_config(**over) -> RC.BenchConfig:
     base = dict(target="random:llama", modes=("ar", "dspine", "dflash", "hf", "hf-pld"),
                 drafters={"dspine": "random", "dflash": "random"}, block_size=4, limit=1,
-                max_new_tokens=6, context_tokens=1536, settings=(H.GREEDY, H.SAMPLED), repeats=1,
+                max_new_tokens=6, context_tokens=1536, settings=(RC.GREEDY, RC.SAMPLED), repeats=1,
                 warmup=1, warmup_tokens=3, threads=1, code_timeout_s=5.0,
                 verify_policy="fixed")  # every cycle drafts: the harness's draft/final-stage columns are exercised
     base.update(over)
-    return H.BenchConfig(**base)
+    return RC.BenchConfig(**base)
 
 
 @pytest.fixture(scope="module")
@@ -159,26 +164,26 @@ def test_harness_refuses_unfair_runners(tiny_target, one_thread):
 
 def test_check_rows_fair_refuses_mixed_rows(tiny_run):
     _, _, rows = tiny_run
-    H.check_rows_fair(rows)
+    FAIR.check_rows_fair(rows)
     bad = copy.deepcopy(rows)
     r = next(r for r in bad if r["mode"] == "dspine" and not r["warmup"])
     r["decoding"]["sampling"]["temperature"] = 0.9
     with pytest.raises(H.UnfairComparisonError, match="decoding"):
-        H.check_rows_fair(bad)
+        FAIR.check_rows_fair(bad)
     bad = copy.deepcopy(rows)
     for r in bad:
         if r["mode"] == "hf":
             r["setup"]["dtype"] = "bfloat16"
     with pytest.raises(H.UnfairComparisonError, match="dtype"):
-        R.summarize(bad)
+        SM.summarize(bad)
 
 
 def test_concurrency_refused_without_batched_engine(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "dspine.core.batch" else real(name, *a))
     with pytest.raises(H.BenchError, match="--concurrency 4: this build has no batched engine"):
-        H.require_batched_engine(4)
-    H.require_batched_engine(1)
+        RC.require_batched_engine(4)
+    RC.require_batched_engine(1)
     assert main(["bench", "--concurrency", "1,4", "--target", "random:llama", "--drafter", "random"]) == 2
 
 
@@ -208,7 +213,7 @@ def test_earlier_results_are_not_overwritten_without_flag(tmp_path, capsys, monk
 
     monkeypatch.setattr(H, "Harness", refusing)
     with pytest.raises(Refused):  # nothing of the earlier run is deleted before the settings passed
-        H.run_bench(H.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
+        H.run_bench(RC.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
     assert prev.exists() and (tmp_path / "speedup.png").exists()
 
     class Accepted:
@@ -223,7 +228,7 @@ def test_earlier_results_are_not_overwritten_without_flag(tmp_path, capsys, monk
 
     monkeypatch.setattr(H, "Harness", Accepted)
     with pytest.raises(Started):  # with --overwrite the check passes and the run starts
-        H.run_bench(H.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
+        H.run_bench(RC.BenchConfig(modes=("ar",), target="random:llama"), tmp_path, overwrite=True)
     assert not prev.exists() and not (tmp_path / "speedup.png").exists()  # no stale file of the earlier run
 
 
@@ -247,8 +252,8 @@ def test_full_run_needs_drafters(monkeypatch):
 
     monkeypatch.setattr(dspine.build, "default_drafter_path", lambda t, m: None)
     with pytest.raises(H.BenchError, match="--drafter-dspine PATH"):
-        H.resolve_drafters(H.BenchConfig(modes=("ar", "dspine")))
-    assert H.resolve_drafters(H.smoke_config())["dspine"] == "random"
+        RC.resolve_drafters(RC.BenchConfig(modes=("ar", "dspine")))
+    assert RC.resolve_drafters(RC.smoke_config())["dspine"] == "random"
 
 
 # -- the harness end to end (random:llama) ----------------------------------------------------
@@ -307,18 +312,18 @@ def test_summary_and_report(tiny_run):
 def test_cost_model_flags_a_mismatch(tiny_run):
     _, _, rows = tiny_run
     base = {(g["setting"], g["workload"]): g["cost_model"]["error"]
-            for g in R.summarize(rows)["results"] if g["mode"] == "dspine"}
+            for g in SM.summarize(rows)["results"] if g["mode"] == "dspine"}
     bad = copy.deepcopy(rows)
     for r in bad:
         if r["mode"] == "dspine" and not r["warmup"]:
             r["decode_s"] *= 3.0  # time the cycle components do not explain
-    s = R.summarize(bad)
+    s = SM.summarize(bad)
     ds = [g for g in s["results"] if g["mode"] == "dspine"]
     assert ds and len(ds) == len(base)
     for g in ds:  # model / measured drops 3x whatever the (timing-noisy) error was before
         err = g["cost_model"]["error"]
         assert err == pytest.approx((1 + base[(g["setting"], g["workload"])]) / 3 - 1)
-        assert g["cost_model"]["flag"] == (abs(err) > R.COST_MODEL_TOLERANCE)
+        assert g["cost_model"]["flag"] == (abs(err) > SM.COST_MODEL_TOLERANCE)
     assert any(g["cost_model"]["flag"] for g in ds)
     assert any(n.startswith("Cost model off") and "for dspine" in n for n in s["notes"])
 
@@ -326,7 +331,7 @@ def test_cost_model_flags_a_mismatch(tiny_run):
 def test_speedup_vs_peer_is_per_request_ratio(tiny_run):
     _, _, rows = tiny_run
     rec = [r for r in rows if not r["warmup"]]
-    s = R.summarize(rows)
+    s = SM.summarize(rows)
     for g in s["results"]:
         if g["mode"] == "hf-pld":
             assert g["speedup_vs_peer"] is None
@@ -347,7 +352,7 @@ def test_speedup_vs_peer_is_per_request_ratio(tiny_run):
     for r in slow:
         if r["mode"] == "hf-pld":
             r["tokens_per_second"] /= 2
-    s2 = R.summarize(slow)
+    s2 = SM.summarize(slow)
     for g, g2 in zip(s["results"], s2["results"]):
         if g["speedup_vs_peer"]:
             assert g2["speedup_vs_peer"]["median"] == pytest.approx(2 * g["speedup_vs_peer"]["median"])
@@ -355,7 +360,7 @@ def test_speedup_vs_peer_is_per_request_ratio(tiny_run):
 
 @pytest.mark.skipif(importlib.util.find_spec("dspine.core.batch") is None, reason="no batched engine")
 def test_concurrency_with_batched_engine(tmp_path, tiny_target, one_thread):
-    cfg = tiny_config(modes=("ar", "dspine", "hf"), workloads=("short",), limit=2, settings=(H.GREEDY,),
+    cfg = tiny_config(modes=("ar", "dspine", "hf"), workloads=("short",), limit=2, settings=(RC.GREEDY,),
                       concurrency=(1, 2), warmup=1)
     s = H.run_bench(cfg, tmp_path, progress=False, plots=False, target=tiny_target)
     rows = R.load_rows(tmp_path)
@@ -463,13 +468,13 @@ def test_git_dirty_ignores_the_runs_own_out_dir(tmp_path):
     (tmp_path / "code.py").write_text("x = 1\n")
     git("add", "-A")
     git("commit", "-qm", "c")
-    assert H.git_dirty(root=tmp_path) is False
+    assert ENV.git_dirty(root=tmp_path) is False
     (tmp_path / "out" / "report.md").write_text("new\n")
-    assert H.git_dirty(root=tmp_path) is True
-    assert H.git_dirty(exclude=tmp_path / "out", root=tmp_path) is False
+    assert ENV.git_dirty(root=tmp_path) is True
+    assert ENV.git_dirty(exclude=tmp_path / "out", root=tmp_path) is False
     (tmp_path / "code.py").write_text("x = 2\n")
-    assert H.git_dirty(exclude=tmp_path / "out", root=tmp_path) is True
-    assert H.git_dirty(exclude="/elsewhere", root=tmp_path) is True
+    assert ENV.git_dirty(exclude=tmp_path / "out", root=tmp_path) is True
+    assert ENV.git_dirty(exclude="/elsewhere", root=tmp_path) is True
 
 
 def test_edit_workload_check():

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dspine.bench import harness as H
+from dspine.bench import run_config as RC
 from dspine.bench.fairness import BenchError, UnfairComparisonError, check_fair
 from dspine.bench.llama_cpp import PROBE_TEXT, LlamaCppRunner, default_gguf, find_llama_server
 from dspine.config import SamplingConfig
@@ -208,8 +209,8 @@ def test_runner_refuses_a_gguf_of_another_model(fake, tiny256, tmp_path, monkeyp
 def test_bench_run_with_the_llama_cpp_peer(fake, tiny256, tmp_path, monkeypatch, one_thread):
     srv, gguf = fake
     monkeypatch.setenv("FAKE_TOKENS", json.dumps([70, 71, 72, 73, 74, 75]))
-    cfg = H.BenchConfig(target="random:llama", modes=("ar", "dspine", "llama-cpp"), drafters={"dspine": "random"},
-                        block_size=4, limit=1, max_new_tokens=6, context_tokens=1536, settings=(H.GREEDY,),
+    cfg = RC.BenchConfig(target="random:llama", modes=("ar", "dspine", "llama-cpp"), drafters={"dspine": "random"},
+                        block_size=4, limit=1, max_new_tokens=6, context_tokens=1536, settings=(RC.GREEDY,),
                         repeats=1, warmup=1, warmup_tokens=3, threads=1, verify_policy="fixed",
                         workloads=("short",), llama_cpp=str(srv), gguf=str(gguf))
     s = H.run_bench(cfg, tmp_path / "out", progress=False, plots=False, target=tiny256)
@@ -231,22 +232,22 @@ def test_a_refused_rerun_keeps_the_earlier_results(fake, tiny256, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.jsonl").write_text("{}\n")
-    cfg = H.BenchConfig(target="random:llama", modes=("ar", "llama-cpp"), settings=(H.GREEDY,),
+    cfg = RC.BenchConfig(target="random:llama", modes=("ar", "llama-cpp"), settings=(RC.GREEDY,),
                         llama_cpp=str(tmp_path / "missing"), gguf=str(gguf))
     with pytest.raises(BenchError, match="--llama-cpp"):
         H.run_bench(cfg, out, progress=False, plots=False, target=tiny256, overwrite=True)
     assert (out / "results.jsonl").read_text() == "{}\n"  # nothing deleted before the settings passed
     with pytest.raises(BenchError, match="concurrency 1 only"):
-        H.Harness(H.BenchConfig(target="random:llama", modes=("ar", "llama-cpp"), concurrency=(2,),
-                                settings=(H.GREEDY,), llama_cpp=str(srv), gguf=str(gguf)), target=tiny256)
+        H.Harness(RC.BenchConfig(target="random:llama", modes=("ar", "llama-cpp"), concurrency=(2,),
+                                settings=(RC.GREEDY,), llama_cpp=str(srv), gguf=str(gguf)), target=tiny256)
 
 
 def test_llama_options_need_a_llama_mode(tiny256):
     with pytest.raises(BenchError, match="--llama-cpp / --gguf"):
-        H.Harness(H.BenchConfig(target="random:llama", modes=("ar",), gguf="x.gguf", settings=(H.GREEDY,)),
+        H.Harness(RC.BenchConfig(target="random:llama", modes=("ar",), gguf="x.gguf", settings=(RC.GREEDY,)),
                   target=tiny256)
     with pytest.raises(BenchError, match="llama-cpp-lookup"):  # the error lists the optional modes
-        H.parse_modes("ar,llamacpp")
+        RC.parse_modes("ar,llamacpp")
 
 
 # -- the real server (only where a llama.cpp build is named) ------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from dspine.bench import harness as H
 from dspine.bench import headline as HL
 from dspine.bench import report as R
+from dspine.bench import run_config as RC
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,7 +19,7 @@ def test_preset_modes_and_llama_cpp_column(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no llama-server anywhere
     cfg = HL.headline_config()
     assert cfg.modes == HL.HEADLINE_MODES and cfg.workloads == HL.HEADLINE_WORKLOADS
-    assert cfg.settings == (H.GREEDY,) and cfg.max_new_tokens == 128 and cfg.llama_cpp is None
+    assert cfg.settings == (RC.GREEDY,) and cfg.max_new_tokens == 128 and cfg.llama_cpp is None
     server = tmp_path / "llama-server"
     server.write_text("#!/bin/sh\n")
     server.chmod(0o755)
@@ -31,7 +32,7 @@ def test_preset_modes_and_llama_cpp_column(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("over, msg", [(dict(modes=("dspine", "ngram")), "include ar"),
-                                       (dict(settings=(H.SAMPLED,)), "greedy"),
+                                       (dict(settings=(RC.SAMPLED,)), "greedy"),
                                        (dict(concurrency=(2,)), "concurrency 1")])
 def test_a_headline_without_its_reference_is_refused(over, msg):
     with pytest.raises(H.BenchError, match=msg):

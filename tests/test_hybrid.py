@@ -20,8 +20,9 @@ from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
-from dspine.target.replay_ssm import (HybridTargetError, ReplayCache, build_random_hybrid, hybrid_family,
-                           rerun_rollback)
+from dspine.target.hybrid_arch import HybridTargetError, hybrid_family
+from dspine.target.random_hybrid import build_random_hybrid
+from dspine.target.replay_ssm import ReplayCache, rerun_rollback
 from dspine.core.sampling import filter_probs
 from dspine.target.adapter import ByteTokenizer, Target, TargetCache, load_target
 

@@ -20,8 +20,9 @@ from dspine.config import DSpineConfig, SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DraftContextCache, DrafterProposer
 from dspine.core.engine import Engine
-from dspine.drafter.memory import (MiB, drafter_param_counts, estimate, fmt_bytes, ring_buffer_positions, target_spec,
-                           tensor_bytes)
+from dspine.drafter.memory import drafter_param_counts, estimate, ring_buffer_positions, tensor_bytes
+from dspine.drafter.memory_report import MiB, fmt_bytes
+from dspine.drafter.target_spec import target_spec
 from dspine.drafter.model import DSpineDrafter
 from dspine.target.adapter import load_target
 
@@ -297,7 +298,8 @@ def test_memory_window_benchmark_runs(tmp_path):
 
 
 def test_tree_budget_adds_one_verification_of_buffers():
-    from dspine.drafter.memory import drafter_config, estimate, target_spec
+    from dspine.drafter.memory import drafter_config, estimate
+    from dspine.drafter.target_spec import target_spec
     spec = target_spec("random:llama")
     cfg = drafter_config("small", spec)
     base = estimate(cfg, spec, context=256, dtype="float32")

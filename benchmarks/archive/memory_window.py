@@ -27,7 +27,8 @@ import torch
 
 from dspine.config import DSpineConfig
 from dspine.proposers.drafter import DraftContextCache
-from dspine.drafter.memory import estimate, fmt_bytes
+from dspine.drafter.memory import estimate
+from dspine.drafter.memory_report import fmt_bytes
 from dspine.drafter.model import DSpineDrafter
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from dspine.target.replay_ssm import ReplayCache, build_random_hybrid, default_layer_types, rerun_rollback
+from dspine.target.random_hybrid import build_random_hybrid, default_layer_types
+from dspine.target.replay_ssm import ReplayCache, rerun_rollback
 
 SIZES = {
     # the test configuration: hidden 64, 4 layers (3 linear + 1 full)

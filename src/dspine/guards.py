@@ -35,7 +35,7 @@ DRAFTER_DTYPES = ("float32", "bfloat16")
 TARGET_DTYPES = ("float32", "bfloat16")
 STATE_DTYPES = ("float32",)
 KV_CACHE_DTYPES = ("auto",)
-#: config fields of recurrent targets that set the state dtype (as dspine.target.replay_ssm reads them)
+#: config fields of recurrent targets that set the state dtype (as dspine.target.hybrid_arch reads them)
 STATE_DTYPE_FIELDS = ("recurrent_state_dtype", "mamba_ssm_dtype", "mamba_ssm_cache_dtype", "ssm_state_dtype")
 
 #: (setting, accepted values, why) — the source of docs/validated.md.

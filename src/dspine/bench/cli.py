@@ -30,7 +30,9 @@ import json
 import sys
 
 from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, PROPOSER_NAMES, TREE_SIZES, nonneg_int, positive_int, seed_int, thread_count, tree_budget, tree_shape
-from dspine.bench.harness import GREEDY, SAMPLED, BenchConfig, BenchError, DecodeSetting, parse_modes, run_bench, smoke_config
+from dspine.bench.fairness import BenchError
+from dspine.bench.harness import run_bench
+from dspine.bench.run_config import GREEDY, SAMPLED, BenchConfig, DecodeSetting, parse_modes, smoke_config
 from dspine.bench.workloads import parse_workloads
 
 

@@ -2,7 +2,7 @@
 
 :func:`check_fair` refuses records (mode -> dict of setup fields) that differ across
 modes; :func:`check_rows_fair` applies it to result rows, per run and per request.
-Shared by the harness (before running) and the report (before summarizing), so
+Shared by the harness (before running) and the summary (before summarizing), so
 neither imports the other.
 """
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The benchmark protocol (spec section 10): one config, one target, every mode.
 
-All modes of a run share one :class:`BenchConfig` (target, dtype, device, threads,
-context length, decoding settings, prompts) and one loaded target object; the
-runners then report what they actually use and :func:`check_fair` refuses the run
-when any of it differs across modes (:class:`UnfairComparisonError`).
-:func:`check_rows_fair` applies the same rule to result rows (so a summary is never
-built over mixed runs).
+All modes of a run share one :class:`~dspine.bench.run_config.BenchConfig` (target, dtype,
+device, threads, context length, decoding settings, prompts) and one loaded target
+object; the runners then report what they actually use and
+:func:`~dspine.bench.fairness.check_fair` refuses the run when any of it differs across
+modes (:class:`~dspine.bench.fairness.UnfairComparisonError`).
+:func:`~dspine.bench.fairness.check_rows_fair` applies the same rule to result rows (so a
+summary is never built over mixed runs). Every row records the host
+(:func:`dspine.bench.environment.environment`).
 
 Protocol per concurrency level and decoding setting: every mode is warmed on the same
 short prompt (``warmup`` times; the last warm-up calibrates the per-cycle overhead of
@@ -15,209 +17,23 @@ Sampled settings use seed ``seed + repeat`` for every mode.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE
-from dspine.config import SamplingConfig
-from dspine.bench.fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair, check_rows_fair  # noqa: F401
+from dspine.bench.environment import environment, git_dirty
+from dspine.bench.fairness import BenchError, UnfairComparisonError, _prompt_hash, check_fair
 from dspine.bench.llama_cpp import LLAMA_MODES, LlamaCppRunner
-from dspine.bench.runners import ALL_MODES, ENGINE_MODES, drafter_kind, make_runner
-from dspine.bench.workloads import WORKLOAD_NAMES, build_prompts, parse_workloads, warmup_prompt, workload_version
+from dspine.bench.modes import ENGINE_MODES
+from dspine.bench.run_config import BenchConfig, DecodeSetting, parse_modes, require_batched_engine, resolve_drafters
+from dspine.bench.runners import make_runner
+from dspine.bench.workloads import build_prompts, parse_workloads, warmup_prompt, workload_version
 
 
-@dataclass(frozen=True)
-class DecodeSetting:
-    """A named decoding setting shared by every mode (the seed varies per repeat)."""
-
-    name: str
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    def sampling(self, seed: int = 0) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p, seed)
-
-
-GREEDY = DecodeSetting("greedy")
-SAMPLED = DecodeSetting("sampled", temperature=0.7, top_p=0.95)
-
-
-@dataclass
-class BenchConfig:
-    """Everything a run compares under; one object for all modes."""
-
-    target: str = "smollm2-135m"
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = None
-    modes: tuple[str, ...] = ALL_MODES
-    drafters: dict = field(default_factory=dict)  # mode -> checkpoint dir | "random"
-    block_size: int | None = None  # random drafters only
-    pld_tokens: int = 10
-    verify_policy: str = "cost"  # verification-length policy of the drafter modes
-    proposer: str = "hybrid"  # what dflash / dspine propose with: drafter | ngram | hybrid
-    linear_backend: str = "auto"  # the shared target's linears (dspine.runtime.packed), every mode alike
-    runtime: str = "auto"  # the shared target's forward (dspine.runtime.select); hf/hf-pld run transformers' generate
-    tree_budget: int = DEFAULT_TREE_BUDGET  # draft-tree nodes per cycle of the drafter modes (dspine.trees); 0 = chains
-    tree_shape: str = "dynamic"  # dynamic | widths per depth such as 4,2,1
-    tree_size: str = DEFAULT_TREE_SIZE  # fixed | cost (dspine.control.tree_sizer)
-    # how the drafter modes' drafter runs, as generate's defaults (dspine.tune.drafter,
-    # dspine.drafter.vocab, dspine.tune.head): the speed of what users run
-    drafter_linears: str = "auto"  # auto | float32 | q8
-    draft_vocab: str = "auto"  # auto | full | subset
-    head_kernel: str = "auto"  # auto | int8 | bfloat16 | exact | blockq
-    workloads: tuple[str, ...] = WORKLOAD_NAMES
-    limit: int | None = None
-    max_new_tokens: int | None = None
-    context_tokens: int = 2048
-    settings: tuple[DecodeSetting, ...] = (GREEDY, SAMPLED)
-    repeats: int = 3
-    warmup: int = 1
-    warmup_tokens: int | None = None
-    seed: int = 0
-    request_timeout_s: float = 600.0
-    code_timeout_s: float = 10.0
-    concurrency: tuple[int, ...] = (1,)
-    smoke: bool = False
-    llama_cpp: str | None = None  # llama-server binary or llama.cpp tree (modes llama-cpp*; $DSPINE_LLAMA_CPP)
-    gguf: str | None = None  # the GGUF llama.cpp serves (default: the target's own source GGUF)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["settings"] = [asdict(s) for s in self.settings]
-        return d
-
-
-#: Per-request timeout of ``--smoke`` (16 tokens): generous, because a slow CPU or a busy
-#: machine must not fail the smoke run; ``--request-timeout`` overrides it.
-SMOKE_TIMEOUT_S = 300.0
-
-
-def smoke_config(**overrides) -> BenchConfig:
-    """The ``--smoke`` run: real default target, 1 prompt per workload, 16 new tokens,
-    greedy, ar + dspine + dflash (the shipped drafters at their block size; random ones at
-    block size 16 when none is shipped) + hf-pld, one thread."""
-    base = dict(modes=("ar", "dspine", "dflash", "ngram", "hf-pld"), limit=1, max_new_tokens=16,
-                settings=(GREEDY,), repeats=1, warmup=1, warmup_tokens=4, context_tokens=512,
-                threads=1, block_size=None, request_timeout_s=SMOKE_TIMEOUT_S, smoke=True)
-    base.update(overrides)
-    return BenchConfig(**base)
-
-
-# -- validation -----------------------------------------------------------------------------
-def parse_modes(spec: str | list[str]) -> tuple[str, ...]:
-    """Mode names of ``--modes`` (``all``: dspine's modes and the transformers peers; the
-    llama.cpp peers :data:`LLAMA_MODES` need a build and are named explicitly)."""
-    names = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = [n.strip() for n in names if n.strip()]
-    if names == ["all"]:
-        return ALL_MODES
-    bad = [n for n in names if n not in ALL_MODES + LLAMA_MODES]
-    if bad or not names:
-        raise BenchError(f"--modes {','.join(bad) or '(empty)'}: unknown; accepted: "
-                         f"{', '.join(ALL_MODES + LLAMA_MODES)} or all")
-    if len(set(names)) != len(names):
-        raise BenchError(f"--modes {','.join(names)}: a mode is listed twice")
-    return tuple(names)
-
-
-def require_batched_engine(concurrency: int) -> None:
-    """Concurrency above 1 needs the batched engine (``dspine.core.batch``); refuse otherwise."""
-    if concurrency < 1:
-        raise BenchError(f"--concurrency {concurrency}: must be >= 1")
-    if concurrency > 1 and importlib.util.find_spec("dspine.core.batch") is None:
-        raise BenchError(f"--concurrency {concurrency}: this build has no batched engine "
-                         f"(dspine.core.batch); only --concurrency 1 can be measured")
-
-
-def resolve_drafters(cfg: BenchConfig) -> dict:
-    """Drafter per speculative mode: explicit > shipped checkpoint > random (smoke only)."""
-    from dspine.build import default_drafter_path
-
-    out = {}
-    wanted = {drafter_kind(m) for m in cfg.modes}
-    for mode in ("dspine", "dflash"):
-        if mode not in wanted:
-            continue
-        d = cfg.drafters.get(mode)
-        if d is None:
-            p = default_drafter_path(cfg.target, mode)
-            d = str(p) if p is not None else ("random" if cfg.smoke else None)
-        if d is None:
-            raise BenchError(f"no shipped {mode} drafter for --target {cfg.target!r}; pass "
-                             f"--drafter-{mode} PATH (a trained checkpoint) or --drafter random")
-        out[mode] = d
-    return out
-
-
-# -- environment ---------------------------------------------------------------------------------
-def _git(*args: str, root: Path | None = None) -> str | None:
-    root = root or Path(__file__).resolve().parents[3]
-    try:
-        p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return p.stdout.strip() if p.returncode == 0 else None
-
-
-def git_dirty(exclude: str | Path | None = None, root: Path | None = None) -> bool | None:
-    """Whether tracked files of the dspine checkout (or of ``root``) differ from its
-    commit (None: not a git checkout). ``exclude``: a directory whose changes do not
-    count (a benchmark's own ``--out``, whose committed results the run replaces)."""
-    root = Path(root).resolve() if root is not None else Path(__file__).resolve().parents[3]
-    args = ["status", "--porcelain", "--untracked-files=no"]
-    if exclude is not None:
-        try:
-            args += ["--", ".", f":(exclude){Path(exclude).resolve().relative_to(root)}"]
-        except ValueError:  # outside the checkout: nothing to exclude
-            pass
-    status = _git(*args, root=root)
-    return bool(status) if status is not None else None
-
-
-def environment(target, cfg: BenchConfig) -> dict:
-    """Versions, threads, dtype, device, host and git commit of this run."""
-    import transformers
-
-    from dspine import __version__ as dspine_version
-    from dspine.tune.machine import isa_class
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-    except OSError:
-        pass
-    dev = str(target.device)
-    env = {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "dspine": dspine_version,
-        "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
-        "dtype": str(target.dtype).replace("torch.", ""), "device": dev,
-        "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu,
-        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": git_dirty(),
-        "target": target.name, "target_path": target.path,
-        "isa": isa_class(), "linear_backend": getattr(target, "linear_backend", "aten"),
-        "target_runtime": getattr(target, "runtime_name", "hf"),
-        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-    return env
-
-
-# -- the run ------------------------------------------------------------------------------------
 def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:
     from dspine.bench.checks import check_convert, check_edit, check_multifile, check_tool_call, run_humaneval
 
@@ -462,7 +278,8 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plot
             (:data:`RESULT_FILES`) and ``overwrite`` is False (checked before any model is
             loaded; nothing is written). With ``overwrite`` those files are removed first.
     """
-    from dspine.bench.report import summarize, write_report
+    from dspine.bench.report import write_report
+    from dspine.bench.summary import summarize
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -486,6 +303,4 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path, progress: bool = True, plot
     return summary
 
 
-__all__ = ["BenchConfig", "BenchError", "DecodeSetting", "GREEDY", "SAMPLED", "Harness",
-           "UnfairComparisonError", "check_fair", "check_rows_fair", "parse_modes",
-           "require_batched_engine", "run_bench", "smoke_config"]
+__all__ = ["Harness", "RESULT_FILES", "run_bench"]

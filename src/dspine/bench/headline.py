@@ -34,7 +34,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dspine.bench.harness import GREEDY, BenchConfig
+from dspine.bench.run_config import GREEDY, BenchConfig
 
 HEADLINE_WORKLOADS = ("stdlib", "sharegpt", "edit")
 HEADLINE_MODES = ("ar", "dspine", "ngram", "dspine-drafter", "hf-pld")
@@ -51,7 +51,7 @@ def find_llama_cpp(spec: str | None = None) -> str | None:
     ``$DSPINE_LLAMA_CPP`` (either must hold a usable ``llama-server``: BenchError names it
     otherwise), else a ``llama-server`` on PATH; None when there is none (the column is
     then left out and the table says so)."""
-    from dspine.bench.harness import BenchError
+    from dspine.bench.fairness import BenchError
     from dspine.bench.llama_cpp import find_llama_server
 
     if spec:
@@ -75,7 +75,7 @@ def headline_config(llama_cpp: str | None = None, **overrides) -> BenchConfig:
         BenchError: modes without ``ar`` (every column is a ratio to it), settings without
             greedy, or a concurrency without 1 (the table is greedy, one request at a time).
     """
-    from dspine.bench.harness import BenchError
+    from dspine.bench.fairness import BenchError
 
     if "modes" in overrides:
         server = find_llama_cpp(llama_cpp) if "llama-cpp" in overrides["modes"] else llama_cpp

@@ -38,7 +38,7 @@ import torch
 
 from dspine.config import SamplingConfig
 from dspine.bench.fairness import BenchError
-from dspine.bench.runners import Runner, _sampling_dict, _text, finish_ids
+from dspine.bench.runner_base import Runner, _sampling_dict, _text, finish_ids
 
 LLAMA_MODES = ("llama-cpp", "llama-cpp-lookup")
 #: llama-server's prompt-lookup settings of ``llama-cpp-lookup`` (draft up to 15 tokens after

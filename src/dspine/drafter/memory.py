@@ -2,7 +2,9 @@
 
 :func:`estimate` computes the bytes each resident part needs from configurations
 alone (nothing is allocated, so the release profile's 27B-target drafter can be
-sized on any machine); ``dspine memory`` prints it.
+sized on any machine); ``dspine memory`` prints it. The report's rows, totals and
+rendering are :mod:`dspine.drafter.memory_report`; what it reads from a target,
+:mod:`dspine.drafter.target_spec`.
 
 Parts (bytes; ``s`` = bytes per element of ``dtype``, V vocabulary, d hidden,
 d_c code width, d_m message width, L_d drafter layers):
@@ -30,30 +32,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from dspine.config import ConfigError, DSpineConfig
+from dspine.drafter.memory_report import MemoryReport, Row
+from dspine.drafter.target_spec import target_spec
 
-KiB = 1024
-MiB = 1024 ** 2
-GiB = 1024 ** 3
 RELEASE_CONTEXT = 131072  # retained positions in the spec's reference figure (s.7)
 RING_MIN_CAPACITY = 64  # DraftContextCache allocates at least this many slots (below window)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def fmt_bytes(n: int | float) -> str:
-    """Binary units with up to two decimals: 20480 -> '20 KiB', 2684354560 -> '2.5 GiB'."""
-    n = float(n)
-    for unit, size in (("TiB", 1024 ** 4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            v = f"{n / size:.2f}".rstrip("0").rstrip(".")
-            return f"{v} {unit}"
-    return f"{int(n)} B"
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:
@@ -109,182 +99,6 @@ def ring_buffer_positions(context: int, window: int) -> int:
     return min(window, max(context, RING_MIN_CAPACITY))
 
 
-# -- target ----------------------------------------------------------------------------------
-@dataclass
-class TargetSpec:
-    """What the footprint needs to know about a target, from its HF config.
-
-    Element counts (not bytes): ``params`` unique parameters; ``kv_per_position`` K+V
-    elements per position over the full-attention layers; ``sliding`` a list of
-    (window, K+V elements per position) for sliding-window layers; ``state_fp32`` and
-    ``conv_state`` elements per request of linear-attention layers.
-    """
-
-    name: str
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-    params: int
-    kv_per_position: int
-    sliding: list[tuple[int, int]] = field(default_factory=list)
-    state_fp32: int = 0
-    conv_state: int = 0
-    max_positions: int = 1 << 30
-    head_params: int = 0
-
-    def default_feature_layers(self, n: int = 5) -> list[int]:
-        from dspine.target.adapter import Target
-
-        return Target.default_feature_layers(self, n)  # uses only num_layers
-
-    def kv_elements(self, context: int) -> int:
-        """K/V elements of one request holding ``context`` positions."""
-        return self.kv_per_position * context + sum(min(w, context) * e for w, e in self.sliding)
-
-    @classmethod
-    def from_hf_config(cls, config, name: str = "", model: torch.nn.Module | None = None) -> "TargetSpec":
-        """Build from a transformers config (text config of multimodal ones).
-
-        ``model``: an already built module to count parameters from; by default the
-        architecture is instantiated on the ``meta`` device (no memory).
-        """
-        cfg = getattr(config, "text_config", None) or config
-        if model is None:
-            from transformers import AutoModelForCausalLM
-
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-        params = sum(p.numel() for p in model.parameters())  # shared (tied) tensors once
-        head = model.get_output_embeddings()
-        head_params = head.weight.numel() if head is not None else 0
-        L = cfg.num_hidden_layers
-        heads = cfg.num_attention_heads
-        kvh = getattr(cfg, "num_key_value_heads", None) or heads
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * L)
-        full = sliding_n = lin = 0
-        for t in types:
-            if t == "linear_attention":
-                lin += 1
-            elif t == "sliding_attention" and getattr(cfg, "sliding_window", None):
-                sliding_n += 1
-            else:
-                full += 1
-        per_layer = 2 * kvh * hd
-        sliding = [(int(cfg.sliding_window), per_layer)] * sliding_n if sliding_n else []
-        state = conv = 0
-        if lin:
-            nv = cfg.linear_num_value_heads
-            nk = cfg.linear_num_key_heads
-            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            state = lin * nv * dk * dv
-            conv = lin * (2 * nk * dk + nv * dv) * cfg.linear_conv_kernel_dim
-        return cls(name=name or getattr(cfg, "model_type", "target"), hidden_size=cfg.hidden_size,
-                   vocab_size=cfg.vocab_size, num_layers=L, params=params,
-                   kv_per_position=full * per_layer, sliding=sliding, state_fp32=state,
-                   conv_state=conv, max_positions=int(getattr(cfg, "max_position_embeddings", 1 << 30)),
-                   head_params=head_params)
-
-
-def target_spec(target) -> TargetSpec:
-    """A :class:`TargetSpec` for a target name/path, a loaded :class:`dspine.target.adapter.Target`,
-    or a spec (returned as is).
-
-    Named and path targets are read from their ``config.json`` (no weights are loaded);
-    ``random:<arch>`` targets are built (they are tiny).
-    """
-    if isinstance(target, TargetSpec):
-        return target
-    if isinstance(target, str):
-        from dspine.target.adapter import build_random_model
-        from dspine.target.registry import resolve_target
-
-        resolved = resolve_target(target)
-        if isinstance(resolved, str):  # random:<arch>
-            model = build_random_model(resolved.split(":", 1)[1])
-            return TargetSpec.from_hf_config(model.config, name=target, model=model)
-        from transformers import AutoConfig
-
-        return TargetSpec.from_hf_config(AutoConfig.from_pretrained(str(resolved)), name=target)
-    # a loaded Target: estimate from its config (an independent check of its tensors)
-    spec = TargetSpec.from_hf_config(target.model.config, name=target.name)
-    spec.vocab_size = target.vocab_size
-    return spec
-
-
-# -- the report --------------------------------------------------------------------------------
-@dataclass
-class Row:
-    """One line of the report. ``layout``: ``both``, ``release`` or ``dspine``;
-    ``scope``: ``shared`` (once per process) or ``request`` (once per request)."""
-
-    key: str
-    label: str
-    bytes: int
-    detail: str = ""
-    layout: str = "both"
-    scope: str = "shared"
-    indent: int = 0
-    in_total: bool = True
-
-
-@dataclass
-class MemoryReport:
-    """Rows of the footprint plus the settings it was computed for (see :func:`estimate`)."""
-
-    profile: str
-    dtype: str
-    context: int
-    concurrency: int
-    window: int
-    target: str | None
-    rows: list[Row]
-    notes: list[str] = field(default_factory=list)
-
-    def __getitem__(self, key: str) -> int:
-        for r in self.rows:
-            if r.key == key:
-                return r.bytes
-        raise KeyError(key)
-
-    def total(self, layout: str) -> int:
-        """Resident bytes for ``layout`` (``release`` or ``dspine``) at the report's
-        context and concurrency (per-request rows times concurrency)."""
-        s = 0
-        for r in self.rows:
-            if r.in_total and r.layout in ("both", layout):
-                s += r.bytes * (self.concurrency if r.scope == "request" else 1)
-        return s
-
-    def to_dict(self) -> dict:
-        return {"profile": self.profile, "dtype": self.dtype, "context": self.context,
-                "concurrency": self.concurrency, "window": self.window, "target": self.target,
-                "rows": [asdict(r) for r in self.rows],
-                "totals": {"release": self.total("release"), "dspine": self.total("dspine")},
-                "notes": self.notes}
-
-    def render(self) -> str:
-        head = (f"dspine memory: drafter {self.profile}"
-                + (f" for target {self.target}" if self.target else "")
-                + f", {self.dtype}, context {self.context} positions, concurrency {self.concurrency}")
-        lines = [head, ""]
-        w = max(len("  " * r.indent + r.label) for r in self.rows) + 2
-        for r in self.rows:
-            tag = {"release": " [release only]", "dspine": " [dspine only]"}.get(r.layout, "")
-            scope = " per request" if r.scope == "request" else ""
-            lab = ("  " * r.indent + r.label).ljust(w)
-            lines.append(f"{lab}{fmt_bytes(r.bytes):>12}  ({r.bytes:,} B{scope}){tag}"
-                         + (f"  {r.detail}" if r.detail else ""))
-        lines.append("")
-        lines.append(f"{'total, release layout (dense pool, greedy tables)'.ljust(w)}"
-                     f"{fmt_bytes(self.total('release')):>12}  ({self.total('release'):,} B)")
-        lines.append(f"{'total, dspine runtime (ring buffer, no greedy tables)'.ljust(w)}"
-                     f"{fmt_bytes(self.total('dspine')):>12}  ({self.total('dspine'):,} B)")
-        for n in self.notes:
-            lines.append(f"note: {n}")
-        return "\n".join(lines)
-
-
 def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
              dtype: str = "bfloat16", target_dtype: str | None = None,
              profile: str = "", head_kernels: tuple[str, ...] = ("int8",), tree_budget: int = 0,
@@ -298,7 +112,7 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
     (:mod:`dspine.drafter.vocab`), so its copies hold that many head rows.
 
     Args:
-        target: None, a name/path, a loaded Target or a :class:`TargetSpec`.
+        target: None, a name/path, a loaded Target or a :class:`~dspine.drafter.target_spec.TargetSpec`.
         context: retained positions per request (default: 131072, capped at the
             target's context window when a target is given).
         concurrency: requests held at once (per-request rows are multiplied in totals).

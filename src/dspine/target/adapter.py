@@ -70,12 +70,12 @@ def build_random_model(arch: str, vocab_size: int = 256, seed: int = 0, **overri
     """A tiny random-weight causal LM of transformers architecture ``arch`` (seeded).
 
     Raises:
-        TargetError: the architecture is unknown here (hybrids live in ``dspine.target.replay_ssm``).
+        TargetError: the architecture is unknown here (hybrids live in ``dspine.target.random_hybrid``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch in ("qwen3_5", "qwen3_next"):
-        from dspine.target.replay_ssm import build_random_hybrid  # hybrid targets, spec section 6
+        from dspine.target.random_hybrid import build_random_hybrid  # hybrid targets, spec section 6
         return build_random_hybrid(arch, vocab_size=vocab_size, seed=seed, **overrides)
     if arch not in _RANDOM_ARCHS:
         raise TargetError(f"unknown random target architecture {arch!r}; known: "
@@ -124,7 +124,7 @@ class Target:
         self.name = name
         self.path = path
         cfg = model.config
-        from dspine.target.replay_ssm import hybrid_family  # refuses unknown hybrids / non-fp32 recurrent state
+        from dspine.target.hybrid_arch import hybrid_family  # refuses unknown hybrids / non-fp32 recurrent state
         self.hybrid: str | None = hybrid_family(cfg)  # None (dense), "qwen3_5" or "qwen3_next"
         self.config = getattr(cfg, "text_config", None) or cfg
         self.hidden_size: int = self.config.hidden_size

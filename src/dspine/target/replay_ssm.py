@@ -35,200 +35,27 @@ Guards (spec s.8): the recurrent state must be float32 (a config asking for anot
 dtype via ``recurrent_state_dtype`` / ``mamba_ssm_dtype`` / ``mamba_ssm_cache_dtype`` /
 ``ssm_state_dtype``, or a kernel returning another dtype, is refused); a recurrent or
 hybrid architecture other than the ones above is refused. Both raise
-:class:`HybridTargetError` (a ``ValueError``) naming the setting.
+:class:`~dspine.target.hybrid_arch.HybridTargetError` (a ``ValueError``) naming the
+setting. Recognising hybrid targets: :mod:`dspine.target.hybrid_arch`; the kernel
+wrappers of step 1: :mod:`dspine.target.replay_capture`; tiny random hybrids:
+:mod:`dspine.target.random_hybrid`.
 """
 from __future__ import annotations
 
-import contextvars
 import inspect
-import math
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspine.target.cache import TargetCache
-from dspine.target.registry import TargetError
-
-#: model_type -> adapter family. Only these hybrid architectures are validated.
-KNOWN_HYBRIDS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}
-
-#: config fields that would ask for a non-float32 recurrent state.
-STATE_DTYPE_FIELDS = ("recurrent_state_dtype", "mamba_ssm_dtype", "mamba_ssm_cache_dtype", "ssm_state_dtype")
-
-#: model types with recurrent / linear-attention state (refused unless in KNOWN_HYBRIDS).
-_RECURRENT_MODEL_TYPES = {
-    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "bamba", "zamba", "zamba2",
-    "granitemoehybrid", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "nemotron_h", "olmo_hybrid",
-    "qwen3_5_moe", "qwen3_5_moe_text", "bailing_hybrid", "rwkv", "recurrent_gemma", "xlstm",
-    "minimax", "plamo2",
-}
-_LINEAR_LAYER_TYPES = {"linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding"}
-
-_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+from dspine.target.hybrid_arch import HybridTargetError, _text_config, hybrid_family, linear_layer_ids
+from dspine.target.replay_capture import _CAPTURE, _KERNELS, _original, install_capture
 
 #: replay of this many tokens or more uses the chunked kernel (fewer: the recurrent one)
 REPLAY_CHUNK_FROM = 8
 
 
-class HybridTargetError(TargetError):
-    """A hybrid/recurrent target (or one of its settings) the adapter has not validated."""
-
-
-# -- recognising hybrid targets ------------------------------------------------------------
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    try:
-        return get(decoder=True) if get is not None else config
-    except TypeError:
-        return get()
-
-
-def hybrid_family(config) -> str | None:
-    """``"qwen3_5"`` / ``"qwen3_next"`` for a supported hybrid, None for a dense target.
-
-    Raises:
-        HybridTargetError: a recurrent/hybrid architecture the adapter does not know, or a
-            recurrent state dtype other than float32 (the message names the setting).
-    """
-    tc = _text_config(config)
-    types = {getattr(config, "model_type", None), getattr(tc, "model_type", None)} - {None}
-    layer_types = set(getattr(tc, "layer_types", None) or [])
-    known = [KNOWN_HYBRIDS[t] for t in types if t in KNOWN_HYBRIDS]
-    recurrent = bool(types & _RECURRENT_MODEL_TYPES) or bool(layer_types & _LINEAR_LAYER_TYPES)
-    if not known and not recurrent:
-        return None
-    name = getattr(tc, "model_type", None) or getattr(config, "model_type", "?")
-    if not known:
-        raise HybridTargetError(
-            f"target architecture {name!r} has recurrent/linear-attention state that the ReplaySSM "
-            f"adapter does not know; supported hybrid architectures: {sorted(KNOWN_HYBRIDS)}")
-    for cfg in (tc, config):
-        for f in STATE_DTYPE_FIELDS:
-            v = getattr(cfg, f, None)
-            if v is not None and str(v).replace("torch.", "") not in ("float32", "fp32"):
-                raise HybridTargetError(
-                    f"target config sets {f}={str(v).replace('torch.', '')!r}: ReplaySSM needs the "
-                    f"recurrent state in float32 (spec sections 6 and 8); set {f} to float32")
-    bad = layer_types - {"linear_attention", "full_attention"}
-    if bad:
-        raise HybridTargetError(f"{name} target: layer types {sorted(bad)} are not supported by the "
-                                f"ReplaySSM adapter (only linear_attention and full_attention)")
-    return known[0]
-
-
-def linear_layer_ids(config) -> list[int]:
-    """Indices of the Gated-DeltaNet (linear-attention) layers."""
-    lt = getattr(_text_config(config), "layer_types", None) or []
-    return [i for i, t in enumerate(lt) if t == "linear_attention"]
-
-
-# -- random hybrid targets (tests, debugging) ----------------------------------------------
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
-_RANDOM_HYBRIDS = {
-    "qwen3_5": ("qwen3_5_text", dict(_COMMON)),
-    "qwen3_next": ("qwen3_next", dict(_COMMON, num_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=32, shared_expert_intermediate_size=32)),
-}
-
-
-def default_layer_types(n: int) -> list[str]:
-    """Linear attention everywhere except every 4th layer from layer 2 (4 layers: L L F L)."""
-    return ["full_attention" if i % 4 == 2 else "linear_attention" for i in range(n)]
-
-
-def build_random_hybrid(arch: str, vocab_size: int = 256, seed: int = 0, **overrides) -> nn.Module:
-    """A tiny seeded random-weight hybrid causal LM (``qwen3_5`` text model or ``qwen3_next``).
-
-    Default: hidden 64, 4 layers ``linear, linear, full, linear``, 2 key / 4 value heads of
-    16 in the linear layers, conv kernel 4. The output head is sharpened (x8) as for
-    dense random targets, and the Gated-DeltaNet decays are drawn slow (A in
-    [0.02, 0.5] instead of [0.01, 16]) so the recurrent state carries information over
-    many tokens and a wrong state shows up in the output.
-
-    Raises:
-        TargetError: ``arch`` is not one of ``qwen3_5``, ``qwen3_next``.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if arch not in _RANDOM_HYBRIDS:
-        raise TargetError(f"unknown random hybrid architecture {arch!r}; known: {sorted(_RANDOM_HYBRIDS)}")
-    model_type, kw = _RANDOM_HYBRIDS[arch]
-    kw = dict(kw)
-    kw.update(overrides)
-    kw.setdefault("layer_types", default_layer_types(kw["num_hidden_layers"]))
-    cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, max_position_embeddings=4096,
-                               tie_word_embeddings=False, bos_token_id=1, eos_token_id=0,
-                               pad_token_id=0, **kw)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():
-            model.get_output_embeddings().weight.mul_(8.0)
-            for mod in model.modules():
-                if hasattr(mod, "A_log") and hasattr(mod, "dt_bias"):
-                    mod.A_log.copy_(torch.empty_like(mod.A_log).uniform_(math.log(0.02), math.log(0.5)))
-    return model
-
-
-# -- capture of the recurrence inputs ------------------------------------------------------
-# (cache, layer_idx) while a ReplayCache linear layer is between its conv update and its
-# recurrent-state update; the kernel wrapper records k, v, g, beta for that layer.
-_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("dspine_replay_capture", default=None)
-_ORIGINALS: dict[tuple[str, str], object] = {}
-
-
-def _wrap_kernel(orig):
-    def kernel(query, key, value, *args, **kwargs):
-        sink = _CAPTURE.get()
-        if sink is not None:
-            _CAPTURE.set(None)  # one capture per layer update
-            cache, layer_idx = sink
-            if args or "g" not in kwargs or "beta" not in kwargs:
-                raise HybridTargetError("ReplaySSM: unexpected gated-delta-rule call signature; "
-                                        "cannot capture the recurrence inputs")
-            cache._record_recurrence(layer_idx, key, value, kwargs["g"], kwargs["beta"])
-        return orig(query, key, value, *args, **kwargs)
-
-    kernel._dspine_original = orig
-    kernel.__name__ = getattr(orig, "__name__", "gated_delta_rule")
-    return kernel
-
-
-def _modeling_module(model: nn.Module):
-    """The transformers modeling module that defines the model's Gated-DeltaNet layers."""
-    for mod in model.modules():
-        if type(mod).__name__.endswith("GatedDeltaNet"):
-            return sys.modules[type(mod).__module__]
-    raise HybridTargetError(f"{type(model).__name__}: no Gated-DeltaNet layer found")
-
-
-def install_capture(model: nn.Module):
-    """Wrap the gated-delta-rule kernels of the model's modeling module (idempotent).
-
-    The wrappers are transparent unless a :class:`ReplayCache` is updating a layer.
-    Returns the modeling module.
-    """
-    m = _modeling_module(model)
-    for name in _KERNELS:
-        fn = getattr(m, name, None)
-        if fn is None:
-            raise HybridTargetError(f"{m.__name__} has no {name}; this transformers version is not "
-                                    f"supported by the ReplaySSM adapter")
-        if not hasattr(fn, "_dspine_original"):
-            _ORIGINALS[(m.__name__, name)] = fn
-            setattr(m, name, _wrap_kernel(fn))
-    return m
-
-
-def _original(module, name: str):
-    return _ORIGINALS[(module.__name__, name)]
-
-
-# -- the cache ---------------------------------------------------------------------------
 def _dynamic_cache_cls():
     from transformers import DynamicCache
 
