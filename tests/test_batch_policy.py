@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class _Req:
     def __init__(self, cycles=()):
         self.cycles = list(cycles)
+        self.control_state = weakref.WeakKeyDictionary()  # what the controllers keep per request
 
 
 class _Cycle:

@@ -15,6 +15,7 @@ from dspine.bench import report as R
 from dspine.bench import run_config as RC
 from dspine.bench import summary as SM
 from dspine.bench import workloads as W
+from dspine.bench import prompts as P
 from dspine.bench.checks import check_multifile, check_tool_call, parse_tool_calls, run_humaneval
 from dspine.bench.hf_runner import HFRunner
 from dspine.bench.runners import EngineRunner
@@ -58,7 +59,7 @@ def test_workloads_file_matches_rules():
 
 
 def test_workloads_are_eval_only_and_versioned():
-    from dspine.data.sources import is_heldout_module
+    from dspine.data.stdlib import is_heldout_module
 
     ws = W.load_workloads()["workloads"]
     assert set(ws) == set(W.WORKLOAD_NAMES)
@@ -73,7 +74,7 @@ def test_workloads_are_eval_only_and_versioned():
 
 
 def test_build_prompts_fit_context_and_carry_check_data(tiny_target):
-    prompts, skipped = W.build_prompts(tiny_target, list(W.WORKLOAD_NAMES), limit=1, context_tokens=2500,
+    prompts, skipped = P.build_prompts(tiny_target, list(W.WORKLOAD_NAMES), limit=1, context_tokens=2500,
                                        max_new_tokens=8)
     by = {p.workload: p for p in prompts}
     assert set(by) | {s["workload"] for s in skipped} == set(W.WORKLOAD_NAMES)
@@ -437,13 +438,14 @@ def test_drafter_modes_run_as_generate_builds_them(tiny_target, one_thread):
     tree = TreeSpec(16, None, size="cost")
     r = make_runner(tiny_target, "dspine", {"dspine": "random"}, 4, 0, 10, "cost", "hybrid", tree=tree,
                     drafter_linears="float32", draft_vocab="full", head_kernel="exact")
-    assert r.engine.tree_sizer is not None and r.engine.tree_gate is not None
+    ctl = r.engine.verify_policy
+    assert ctl.sizer is not None and ctl.gate is not None
     info = r.info()
     assert info["verify_policy"] == "cost" and info["drafter_linears"] == "float32"
     assert info["draft_vocab"] == tiny_target.vocab_size and info["head_kernel"] == "exact"
     assert info["drafter_forward"] in ("lean", "pytorch") and "candidate_pass" in info
     fixed = make_runner(tiny_target, "dspine", {"dspine": "random"}, 4, 0, 10, "fixed", "hybrid", tree=tree)
-    assert fixed.engine.tree_sizer is None and fixed.engine.tree_gate is None  # no cost curve: fixed size
+    assert not fixed.engine.verify_policy.sizes_trees  # no cost curve: fixed size, no gate
 
 
 def test_bad_drafter_setting_is_a_clean_error(capsys):
@@ -502,7 +504,7 @@ def test_convert_workload_check(tiny_target):
 
     ws = W.load_workloads()["workloads"]
     assert len(ws["convert"]["ids"]) == 16 and not set(ws["convert"]["ids"]) & set(ws["tools"]["ids"])
-    (p,), skipped = W.build_prompts(tiny_target, ["convert"], limit=1, context_tokens=4096, max_new_tokens=8)
+    (p,), skipped = P.build_prompts(tiny_target, ["convert"], limit=1, context_tokens=4096, max_new_tokens=8)
     doc = p.meta["document"]
     assert not skipped and doc["name"] and json.dumps(doc["name"]) in tiny_target.tokenizer.decode(p.prompt_ids)
     meta = {"document": doc}

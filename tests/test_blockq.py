@@ -219,7 +219,7 @@ def test_real_target_packs_exactly_and_decodes_as_ar(smol):
     from dspine.build import DEFAULT_CHECKPOINTS
     from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
-    from dspine.control.policy import make_policy
+    from dspine.tune.controller import make_policy
     from dspine.trees import TreeSpec
 
     assert "blockq" in available_backends(smol)

@@ -10,15 +10,17 @@ from dspine.data import build as B
 from dspine.data import cli as data_cli
 from dspine.data import load as DL
 from dspine.data import sources as S
+from dspine.data import splits as SP
+from dspine.data import stdlib as SL
 from dspine.data import store as ST
 from dspine.data import tokenizer as TK
 
 
 # -- splits and sources ---------------------------------------------------------------------
 def test_splits_file_is_consistent():
-    sp = S.load_splits()
+    sp = SP.load_splits()
     assert set(sp["eval_only_sources"]) == {"humaneval", "mtbench", "bfcl"}
-    mods = set(S.stdlib_modules())
+    mods = set(SL.stdlib_modules())
     held = sp["stdlib_heldout_modules"]
     assert held and held <= mods
     assert 0.05 < len(held) / len(mods) < 0.2
@@ -40,7 +42,7 @@ def test_eval_benchmarks_load():
 
 
 def test_stdlib_training_never_touches_heldout_modules():
-    held = S.load_splits()["stdlib_heldout_modules"]
+    held = SP.load_splits()["stdlib_heldout_modules"]
     train = list(zip(range(1200), S.training_prompts("stdlib")))
     mods = {r["module"] for _, r in train}
     assert len(mods) > 300  # round-robin: the first rounds cover many modules
@@ -52,20 +54,20 @@ def test_stdlib_training_never_touches_heldout_modules():
 
 
 def test_stdlib_prompt_ends_at_function_body():
-    rec = next(S.iter_stdlib_prompts(modules=["json.decoder"], context_chars=400))
+    rec = next(SL.iter_stdlib_prompts(modules=["json.decoder"], context_chars=400))
     assert len(rec["prompt"]) <= 400 and "def " in rec["prompt"]
     # ends after the header/docstring, before the newline (BPE merges it with the indent)
     assert rec["prompt"].endswith((":", '"""', "'''")) and not rec["prompt"].endswith("\n")
 
 
 def test_sharegpt_training_excludes_heldout_and_eval_texts():
-    held = S.load_splits()["sharegpt_heldout_set"]
+    held = SP.load_splits()["sharegpt_heldout_set"]
     train = [r for _, r in zip(range(400), S.training_prompts("sharegpt"))]
     assert len(train) == 400 and not {r["id"] for r in train} & held
     evals = S.eval_texts()
     assert not any(S._norm(r["prompt"]) in evals for r in train)
     chat = S.heldout_prompts("chat", 200)
-    assert [r["id"] for r in chat] == S.load_splits()["sharegpt_heldout_ids"]
+    assert [r["id"] for r in chat] == SP.load_splits()["sharegpt_heldout_ids"]
 
 
 def test_jsonl_training_filters_eval_prompts(tmp_path):

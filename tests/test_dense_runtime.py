@@ -113,7 +113,7 @@ def test_greedy_equal_to_ar_on_real_target_single_and_batched(smol):
     from dspine.build import DEFAULT_CHECKPOINTS
     from dspine.drafter.checkpoint import load_drafter
     from dspine.proposers.drafter import DrafterProposer
-    from dspine.control.policy import make_policy
+    from dspine.tune.controller import make_policy
     from dspine.proposers import make_proposer
 
     prompts = [smol.encode_prompt(p, chat=True) for p in PROMPTS]

@@ -15,7 +15,8 @@ from dspine.config import SpeculativeConfig
 from dspine.drafter.checkpoint import random_drafter
 from dspine.runtime import blockq as B
 from dspine.runtime.blockq import BlockQLinear
-from dspine.tune.drafter import plan_drafter_linears, q8_round, quantize_drafter
+from dspine.drafter.q8 import q8_round, quantize_drafter
+from dspine.tune.drafter import plan_drafter_linears
 from conftest import assert_greedy_equals_ar
 from test_distribution import assert_exact_and_broken_verifier_fails, strong_bridge_drafter
 
@@ -64,6 +65,7 @@ def _q8_proposer(tiny):
     return p
 
 
+@pytest.mark.slow  # the q8 drafter only proposes; its greedy test stays; the default suite stays under ~15 min on 2 cores
 def test_q8_drafter_sampling_matches_target_and_a_broken_verifier_fails(tiny, monkeypatch):
     _kernels_or_skip()
     assert_exact_and_broken_verifier_fails(tiny, lambda: _q8_proposer(tiny), monkeypatch)

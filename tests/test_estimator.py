@@ -12,7 +12,7 @@ from dspine.control.estimator import (AcceptanceStats, DecayedCells, DecisionLog
 def test_decay_factor_halves_at_the_half_life():
     assert decay_factor(4.0) ** 4 == pytest.approx(0.5)
     assert decay_factor(None) == decay_factor(math.inf) == decay_factor(0) == 1.0
-    for bad in (-1.0, math.nan):
+    for bad in (-1.0, math.nan, -math.inf):
         with pytest.raises(ValueError, match="half_life"):
             decay_factor(bad)
 
@@ -44,6 +44,9 @@ def test_best_rate_takes_the_first_of_ties_and_a_free_option():
     assert best_rate(range(4), lambda n: [1, 3, 3.6, 3.7][n], lambda n: 1.0 + 0.2 * n) == 2
     assert best_rate(range(3), lambda n: 1.0, lambda n: 0.0 if n == 2 else 1.0) == 2
     assert best_rate([], lambda n: 1.0, lambda n: 1.0, default=7) == 7
+    # an unknown (NaN) cost or value is never taken for a free or the best option
+    assert best_rate(range(3), lambda n: 1.0, lambda n: math.nan if n == 1 else 1.0 + n) == 0
+    assert best_rate(range(3), lambda n: math.nan if n == 0 else 1.0, lambda n: 1.0) == 1
 
 
 def test_explore_length_stops_at_the_first_option_over_the_ratio():

@@ -126,6 +126,7 @@ class CountingDrafter(DrafterProposer):
         return cand, T
 
 
+@pytest.mark.slow  # --copy-bonus is opt-in; the default suite stays under ~15 min on 2 cores
 def test_distribution_fused(tiny8, exact):
     # min_match 1, strong_match 3 (> max_ngram 2): every copy on offer is fused into the chain
     prop = HybridProposer(CountingDrafter(_drafter(tiny8)), NgramProposer(4, 2, 1), strong_match=3, fuse_bonus=3.0)
@@ -159,6 +160,7 @@ class ForgetsBonusDrafter(DrafterProposer):
         return p
 
 
+@pytest.mark.slow  # --copy-bonus is opt-in; the default suite stays under ~15 min on 2 cores
 def test_distribution_fused_wrong_q_fails(tiny8, exact):
     """Negative control: the chi-square test must reject the fused chain verified with the
     unfused q."""

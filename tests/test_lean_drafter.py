@@ -20,7 +20,7 @@ from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
 from dspine.runtime import blockq as B
 from dspine.runtime.lean_drafter import LeanDrafter, block_forward, lean_drafter_support
-from dspine.tune.drafter import quantize_drafter
+from dspine.drafter.q8 import quantize_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,7 +18,8 @@ import torch
 
 from dspine.config import DSpineConfig, SamplingConfig
 from dspine.drafter.checkpoint import random_drafter
-from dspine.proposers.drafter import DraftContextCache, DrafterProposer
+from dspine.proposers.draft_context import DraftContextCache
+from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
 from dspine.drafter.memory import drafter_param_counts, estimate, ring_buffer_positions, tensor_bytes
 from dspine.drafter.memory_report import MiB, fmt_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import random
+import weakref
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ from dspine.core.request import Request
 from dspine.control.base import Controller, FixedPolicy
 from dspine.control.cost_curve import CostCurve
 from dspine.control.estimator import AcceptanceStats
-from dspine.control.policy import make_policy, CostModelPolicy, POLICIES
+from dspine.control.policy import CostModelPolicy
+from dspine.tune.controller import make_policy, POLICIES
 from dspine.tune.cost import measure_cost
 from dspine.core.sampling import filter_probs, sample_index, uniform
 from dspine.target.adapter import load_target
@@ -61,10 +63,12 @@ class _Cycle:
 
 
 class _Req:
-    """Stand-in for engine.Request: the policy reads ``cycles`` only."""
+    """Stand-in for engine.Request: the policy reads ``cycles`` and keeps its state in
+    ``control_state``."""
 
     def __init__(self):
         self.cycles = []
+        self.control_state = weakref.WeakKeyDictionary()
 
 
 class ScriptedProposer(Proposer):
@@ -521,3 +525,19 @@ def test_engine_refuses_a_controller_it_would_have_to_probe(tiny256):
     with pytest.raises(EngineError, match="verify_policy must be a dspine.control.base.Controller"):
         Engine(tiny256, prop, "dspine", verify_policy=lambda req, n: n)
     assert Engine(tiny256, prop, "dspine").verify_policy.name == "fixed"  # None: the whole block
+
+
+def test_bad_controller_settings_are_refused_when_built():
+    """Refused at construction, not at the first request in the middle of decoding."""
+    import math
+
+    curve = CostCurve([1.0, 1.5])
+    for kw in (dict(half_life=-1), dict(half_life=math.nan), dict(prior_weight=-1),
+               dict(global_weight_cap=math.nan), dict(explore_every=1.5)):
+        with pytest.raises(ValueError):
+            CostModelPolicy(curve, **kw)
+    with pytest.raises(ValueError, match="CostCurve"):
+        CostModelPolicy(None)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        curve.cycle_s(-1)
+    assert CostModelPolicy(curve, half_life=8.0, explore_every=4)  # good settings still build

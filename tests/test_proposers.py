@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import weakref
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
 from dspine.control.base import FixedPolicy
 from dspine.control.cost_curve import CostCurve
-from dspine.control.policy import make_policy, CostModelPolicy, PerSourcePolicy
+from dspine.control.policy import CostModelPolicy
+from dspine.tune.controller import make_policy
+from dspine.control.per_source import PerSourcePolicy
 from dspine.proposers import HybridProposer, NgramIndex, NgramProposer, Plan, make_proposer
 from dspine.proposers.ngram import point_mass
 from test_policy import SAMPLING, PeakedProposer, _likely_second_token, exact_distribution, sources_chi_square
@@ -341,6 +344,7 @@ def test_per_source_policy_picks_the_better_source():
     class R:  # the engine request fields the policy reads
         cycles: list = []
         source = ""
+        control_state = weakref.WeakKeyDictionary()  # where a controller keeps its per-request state
 
     req = R()
     copy, draft = Plan("ngram1", 3, 1), Plan("draft", 3)

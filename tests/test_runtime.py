@@ -19,7 +19,7 @@ from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
 from dspine.control.base import FixedPolicy
-from dspine.control.policy import make_policy
+from dspine.tune.controller import make_policy
 from dspine.runtime.layout import is_column_major, model_is_column_major, set_column_major
 from dspine.runtime.packed import (LINEAR_BACKENDS, PackedLinear, apply_linear_backend, available_backends,
                                    choose_linear_backend,

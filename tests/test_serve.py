@@ -491,7 +491,7 @@ def test_cli_serve_subprocess_graceful_sigterm():
 def test_cost_policy_server_greedy_equals_single_ar(ar):
     """`dspine serve --verify-policy cost`: one verification length per batched cycle
     (measured cost curve of this machine); outputs stay the plain loop's."""
-    from dspine.control.policy import make_policy
+    from dspine.tune.controller import make_policy
 
     target = load_target(MODEL)
     prop = DrafterProposer(random_drafter(target, "dspine", seed=0))

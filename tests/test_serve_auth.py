@@ -95,3 +95,12 @@ def test_serve_refuses_an_unreadable_keys_file(capsys, tmp_path):
     bad.write_text("k1 team extra\n")
     assert main(["serve", "--target", MODEL, "--mode", "ar", "--port", "0", "--api-keys-file", str(bad)]) == 2
     assert "line 1" in capsys.readouterr().err
+    empty = tmp_path / "empty"  # only comments: it would leave the server open to every client
+    empty.write_text("# keys go here\n\n")
+    assert main(["serve", "--target", MODEL, "--mode", "ar", "--port", "0", "--api-keys-file", str(empty)]) == 2
+    assert "holds no key" in capsys.readouterr().err
+
+
+def test_serve_refuses_an_unknown_log_level(capsys):
+    assert main(["serve", "--target", MODEL, "--mode", "ar", "--port", "0", "--log-level", "bogus"]) == 2
+    assert "--log-level: invalid choice: 'bogus'" in capsys.readouterr().err

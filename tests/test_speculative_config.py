@@ -68,3 +68,49 @@ def test_installed_choices_are_checked_before_loading(monkeypatch):
         with pytest.raises(ConfigError, match=f"SpeculativeConfig.{field} '{bad}' is unknown") as e:
             build_engine(SpeculativeConfig(target="random:llama", **{field: bad}))
         assert e.value.field == field
+
+
+def test_drafter_and_copy_settings_are_checked_before_loading(monkeypatch, tmp_path):
+    """A missing drafter checkpoint, a target without a shipped drafter and a copy setting
+    that cannot work are refused before any target loads, each naming its field."""
+    import dspine.target.adapter as adapter
+    from dspine.build import build_engine
+
+    monkeypatch.setattr(adapter, "load_target", lambda *a, **k: pytest.fail("loaded before the check"))
+    cases = [(dict(drafter=str(tmp_path / "nowhere")), "drafter", "no such checkpoint"),
+             (dict(drafter=None), "drafter", "no shipped dspine drafter"),
+             (dict(proposer="drafter", ngram_cache_tokens=4096), "ngram_cache_tokens", "needs --proposer hybrid"),
+             (dict(proposer="drafter", copy_bonus=1.0), "copy_bonus", "needs --proposer hybrid")]
+    for kw, field, why in cases:
+        with pytest.raises(ConfigError, match=why) as e:
+            build_engine(SpeculativeConfig(target="random:llama", **kw))
+        assert e.value.field == field
+
+
+def test_tune_refuses_an_unknown_device_and_keeps_the_cache_on_bad_settings(tmp_path, monkeypatch, capsys):
+    """`dspine tune --device tpu` is an error message, not a traceback; `--redo` with a
+    setting that cannot work forgets nothing."""
+    from dspine.tune import store
+
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path))
+    monkeypatch.setenv("DSPINE_TUNE", "on")
+    store.put("head:keep-me", {"chosen": "exact"})
+    assert main(["tune", "--device", "tpu"]) == 2
+    assert "dspine: error: --device 'tpu'" in capsys.readouterr().err
+    assert main(["tune", "--redo", "--target", "random:llama", "--drafter", str(tmp_path / "nowhere")]) == 2
+    assert "--drafter" in capsys.readouterr().err
+    assert store.get("head:keep-me") is not None  # --redo refused before clearing
+    # refused only while loading (a dtype the runtime has not validated): put back
+    assert main(["tune", "--redo", "--target", "random:llama", "--drafter", "random", "--dtype", "float16"]) == 2
+    assert "float16" in capsys.readouterr().err
+    assert store.get("head:keep-me") is not None
+    # a damaged entry is listed as unreadable, not a traceback
+    store.put("cost:damaged", {"curve": {"verify_s": "abc"}})
+    assert main(["tune", "--show"]) == 0
+    assert "unreadable" in capsys.readouterr().out
+
+
+def test_serve_refuses_an_empty_verify_policy(capsys):
+    assert main(["serve", "--verify-policy", ""]) == 2  # it meant `cost` silently before
+    assert "--verify-policy: invalid choice: ''" in capsys.readouterr().err
+

@@ -19,7 +19,7 @@ from dspine.core.engine import Engine
 from dspine.runtime import blockq
 from dspine.runtime.weights import quantize_target
 from dspine.target.adapter import load_target
-from dspine.tune.drafter import q8_round
+from dspine.drafter.q8 import q8_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,8 +16,10 @@ import dspine.core.verify
 from conftest import random_proposer
 from dspine.config import SamplingConfig
 from dspine.core.engine import Engine
+from dspine.control.base import FixedPolicy
 from dspine.control.cost_curve import CostCurve
 from dspine.control.policy import CostModelPolicy
+from dspine.control.priced import PricedController
 from dspine.target.adapter import load_target
 from dspine.trees import TreeSpec
 from dspine.control.tree_gate import TreeGate
@@ -78,25 +80,37 @@ def test_engine_with_the_gate_runs_both_kinds_and_greedy_equals_ar():
     ref = Engine(t, None, "ar").generate(prompt, SamplingConfig(), 48).token_ids
     eng = Engine(t, random_proposer(t, "dspine", 8, seed=1), "dspine", verify_policy=_cost_policy(),
                  tree=TreeSpec(24, size="cost"))
-    assert eng.tree_gate is not None
-    eng.tree_gate = TreeGate(warmup=0, explore_every=2)  # alternate: both kinds every other cycle
+    ctl = eng.verify_policy  # the controller owns the gate (control/priced.py)
+    assert ctl.gate is not None and ctl.sizes_trees
+    ctl.gate = TreeGate(warmup=0, explore_every=2)  # alternate: both kinds every other cycle
     res = eng.generate(prompt, SamplingConfig(), 48)
     assert res.token_ids == ref
-    assert eng.tree_gate.trees > 0 and eng.tree_gate.chains > 0
+    assert ctl.gate.trees > 0 and ctl.gate.chains > 0
     assert "tree_gate" in res.stats.kernels
     # --tree-size fixed: every drafting cycle a tree, no gate
     fixed = Engine(t, random_proposer(t, "dspine", 8, seed=1), "dspine", verify_policy=_cost_policy(),
                    tree=TreeSpec(24, size="fixed"))
-    assert fixed.tree_gate is None
+    assert fixed.verify_policy.gate is None and not fixed.verify_policy.sizes_trees
+
+
+class _GatedFixed(FixedPolicy):
+    """Fixed lengths; trees and chains alternate per drafting cycle through a TreeGate
+    (the gate part of a priced controller, without its cost curve)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = TreeGate(warmup=0, explore_every=2)
+
+    draft_tree = PricedController.draft_tree
+    observe_cycle = PricedController.observe_cycle
 
 
 def _gated_engine(tiny_dense):
     """Static trees (3 siblings, 2 children each) or chains, alternating per drafting cycle
     (the engine consults any gate it holds; the cost policy would mostly take plain steps
     on this tiny target)."""
-    eng = Engine(tiny_dense, strong_bridge_drafter(tiny_dense, seed=3), "dspine", tree=TreeSpec(10, (3, 2)))
-    eng.tree_gate = TreeGate(warmup=0, explore_every=2)
-    return eng
+    return Engine(tiny_dense, strong_bridge_drafter(tiny_dense, seed=3), "dspine", verify_policy=_GatedFixed(),
+                  tree=TreeSpec(10, (3, 2)))
 
 
 def test_gated_sampling_matches_target(tiny_dense):
@@ -104,7 +118,8 @@ def test_gated_sampling_matches_target(tiny_dense):
     P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
     counts = sample_counts(eng, SETTINGS["t1.0"], N, tiny_dense.vocab_size)
     assert chi2_pvalue(counts, P) > ALPHA
-    assert eng.tree_gate.trees > N // 10 and eng.tree_gate.chains > N // 10  # both kinds were sampled
+    gate = eng.verify_policy.gate
+    assert gate.trees > N // 10 and gate.chains > N // 10  # both kinds were sampled
 
 
 def test_gated_sampling_negative_control_fails(tiny_dense, monkeypatch):

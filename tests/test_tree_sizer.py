@@ -128,11 +128,11 @@ def test_tree_size_cost_greedy_equals_ar_random_target(dense256):
                  tree=spec)
     res = eng.generate(prompt, SamplingConfig(), 40)
     assert res.token_ids == ref
-    assert eng.tree_sizer is not None and eng.tree_sizer.chosen
+    assert eng.verify_policy.sizer is not None and eng.verify_policy.sizer.chosen
     assert res.stats.kernels["draft_tree"] == "tree(budget=24, shape=dynamic, size=cost)"
     # without the cost policy's curve the size stays fixed, and --json says so
     fixed = Engine(dense256, random_proposer(dense256, "dspine", 8, seed=1), "dspine", tree=spec)
-    assert fixed.tree_sizer is None and "needs --verify-policy cost" in fixed.tree_info()
+    assert not fixed.verify_policy.sizes_trees and "needs --verify-policy cost" in fixed.tree_info()
     assert fixed.generate(prompt, SamplingConfig(), 40).token_ids == ref
 
 
@@ -147,6 +147,6 @@ def test_tree_size_cost_greedy_equals_ar_real_target_shipped_drafter(smol):
                      tree=TreeSpec(32, size="cost"))
         res = eng.generate(ids, SamplingConfig(), 40)
         assert res.token_ids == ref
-        assert eng.tree_sizer.chosen and max(res.stats.tree_nodes) <= 32
+        assert eng.verify_policy.sizer.chosen and max(res.stats.tree_nodes) <= 32
     finally:
         smol.set_runtime(prev)

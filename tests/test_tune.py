@@ -8,6 +8,7 @@ choice is asserted.
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -17,12 +18,15 @@ from dspine.drafter.checkpoint import random_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.drafter.final_stage import QuantizedHead, candidates
 from dspine.control.cost_curve import CostCurve
-from dspine.control.policy import make_policy, CostModelPolicy
+from dspine.control.policy import CostModelPolicy
+from dspine.tune.controller import load_profile, make_policy, save_profile
 from dspine.tune import store
 from dspine.tune.choose import choose_fastest
 from dspine.tune.dtype import choose_forward_dtype
-from dspine.tune.head import (HEAD_KERNELS, ROW_BUCKETS, BlockQHead, CandidatePass, blockq_head_unavailable, bucket,
-                              plan_candidate_pass)
+from dspine.drafter.candidate_pass import (HEAD_KERNELS, ROW_BUCKETS, BlockQHead, CandidatePass,
+                                           blockq_head_unavailable, bucket)
+from dspine.tune.drafter import measured_proposer
+from dspine.tune.head import plan_candidate_pass
 from dspine.tune.machine import isa_class, machine_info, machine_key
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -343,7 +347,7 @@ def test_exploration_verifies_at_most_twice_the_chosen_cost():
     pol = CostModelPolicy(lean, prior_accept=0.01, explore_every=4, observe_costs=False)
     assert pol.explore_length(0, 15) == 3 and pol.explore_length(0, 2) == 2 and pol.explore_length(15, 15) == 15
     assert CostModelPolicy(CostCurve([1.0, 2.5, 3.0]), explore_every=4).explore_length(0, 2) == 0
-    req = SimpleNamespace(cycles=[])
+    req = SimpleNamespace(cycles=[], control_state=weakref.WeakKeyDictionary())
     got = []
     for _ in range(40):
         n = pol(req, 15)
@@ -355,7 +359,7 @@ def test_exploration_verifies_at_most_twice_the_chosen_cost():
 def _finished_request(policy, cycles):
     from types import SimpleNamespace
     req = SimpleNamespace(cycles=[SimpleNamespace(n=n, emitted=e, draft_s=0.01, final_s=0.01, verify_s=0.1)
-                                  for n, e in cycles])
+                                  for n, e in cycles], control_state=weakref.WeakKeyDictionary())
     policy._state(req)
     return req
 
@@ -364,19 +368,19 @@ def test_profile_round_trip_and_damaged_entries(disk_cache):
     curve = CostCurve([1.0] + [1.6] * 7)
     a = CostModelPolicy(curve)
     _finished_request(a, [(7, 1)] * 30)  # drafting never accepted: a plain step is best
-    a.save_profile("profile:test")
+    save_profile(a, "profile:test")
     b = CostModelPolicy(curve)
-    assert b.load_profile("profile:test")
+    assert load_profile(b, "profile:test")
     assert b.pooled.risk[0] == pytest.approx(30, rel=0.05)  # decayed a little (half-life)
     assert b.pooled.acc[0] == 0.0
     fresh = CostModelPolicy(curve)
     assert b.choose(b.confidence(b.pooled, 7), 7) == 0
     assert fresh.choose(fresh.confidence(fresh.pooled, 7), 7) > 0  # negative control: no profile
     store.put("profile:bad", {"risk": [1.0], "acc": [2.0], "obs_sum": [0.0] * 8, "obs_w": [0.0] * 8})
-    assert not CostModelPolicy(curve).load_profile("profile:bad")  # accepted > at risk
+    assert not load_profile(CostModelPolicy(curve), "profile:bad")  # accepted > at risk
     store.put("profile:short", {"risk": [1.0], "acc": [0.0], "obs_sum": [0.0], "obs_w": [0.0]})
-    assert not CostModelPolicy(curve).load_profile("profile:short")  # another curve length
-    assert not CostModelPolicy(curve).load_profile("profile:missing")
+    assert not load_profile(CostModelPolicy(curve), "profile:short")  # another curve length
+    assert not load_profile(CostModelPolicy(curve), "profile:missing")
 
 
 def test_make_policy_persist_keys_by_drafter(tiny256, disk_cache):
@@ -404,7 +408,8 @@ def test_default_policy_greedy_equals_ar(tiny256):
     from dspine.core.engine import Engine
     prompt = list(range(3, 30))
     ref = Engine(tiny256, None, "ar").generate(prompt, SamplingConfig(), 40).token_ids
-    prop = DrafterProposer(random_drafter(tiny256, mode="dspine", block_size=8, seed=4))
+    prop = measured_proposer(random_drafter(tiny256, mode="dspine", block_size=8, seed=4), progress=False)
+    assert prop.qhead.choices  # measured where the engine is built (tune), not in the constructor
     eng = Engine(tiny256, prop, "dspine", verify_policy=make_policy("cost", tiny256, prop))
     res = eng.generate(prompt, SamplingConfig(), 40)
     assert res.token_ids == ref

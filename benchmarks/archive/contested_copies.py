@@ -127,7 +127,7 @@ def rotated_runs(engines: dict, ps: list[dict], rounds: int, configs: tuple[str,
 
 
 def prompts(target, sets: list[str], n: int, offset: int, workloads: list[str], limit: int) -> list[dict]:
-    from dspine.bench.workloads import build_prompts
+    from dspine.bench.prompts import build_prompts
     from dspine.data.sources import heldout_prompts
 
     out = []

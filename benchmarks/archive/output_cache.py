@@ -28,11 +28,11 @@ import torch
 
 from side_by_side import load_smollm2_dense
 
-from dspine.bench.workloads import build_prompts
+from dspine.bench.prompts import build_prompts
 from dspine.config import SamplingConfig
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
-from dspine.control.policy import make_policy
+from dspine.tune.controller import make_policy
 from dspine.proposers import make_proposer, output_cache_of
 from dspine.trees.tree import TreeSpec
 from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE

@@ -32,7 +32,7 @@ from dspine.config import SamplingConfig
 from dspine.drafter.checkpoint import load_drafter
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
-from dspine.control.policy import make_policy
+from dspine.tune.controller import make_policy
 from dspine.proposers import make_proposer
 from dspine.runtime.packed import apply_linear_backend
 from dspine.target.adapter import load_target

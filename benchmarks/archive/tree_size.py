@@ -27,9 +27,9 @@ import torch
 
 from side_by_side import heldout_ids, interleaved_greedy, load_smollm2_dense, paired_ratio
 
-from dspine.proposers.drafter import DrafterProposer
+from dspine.tune.drafter import measured_proposer
 from dspine.core.engine import Engine
-from dspine.control.policy import make_policy
+from dspine.tune.controller import make_policy
 from dspine.proposers import make_proposer
 from dspine.trees import TreeSpec
 from dspine.tune.machine import describe, machine_info
@@ -64,10 +64,10 @@ def main() -> None:
     vocab = resolve(a.draft_vocab, DEFAULT_CHECKPOINTS / "smollm2-135m-dspine", drafter.cfg.vocab_size,
                     drafter.cfg.head_topk)
     for name, spec in specs.items():
-        prop = make_proposer("hybrid", DrafterProposer(drafter, linears=a.drafter_linears, vocab=vocab))
+        prop = make_proposer("hybrid", measured_proposer(drafter, linears=a.drafter_linears, vocab=vocab))
         configs[name] = Engine(t, prop, "dspine", verify_policy=make_policy("cost", t, prop), tree=spec)
         if name.endswith("-always"):  # every drafting cycle a tree (before 2026-12-03)
-            configs[name].tree_gate = None
+            configs[name].verify_policy.gate = None
     labels = list(configs)
     prompts = heldout_ids(t, a.prompts)
 
@@ -92,7 +92,8 @@ def main() -> None:
         return round(sum(x["tokens"] - 1 for x in xs) / sum((x["tokens"] - 1) / x["tau"] for x in xs), 3)
 
     ref = "fixed8" if a.fixed8 else "chain"  # the configuration the others are paired with
-    sizers = {lb: configs[lb].tree_sizer.describe() for lb in labels if getattr(configs[lb], "tree_sizer", None)}
+    sizers = {lb: configs[lb].verify_policy.sizer.describe() for lb in labels
+              if getattr(configs[lb].verify_policy, "sizer", None) is not None}
     summary = {
         "machine": machine_info(), "machine_line": describe(), "threads": torch.get_num_threads(),
         "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0], "linear_backend": backend,
@@ -106,8 +107,8 @@ def main() -> None:
                                                                 if x["config"] == lb), 2) for lb in labels[2:]},
         "ratios_median_min_max": {**{f"{lb} / {ref}": ratio(lb, ref) for lb in labels if lb != ref},
                                   **{f"{lb} / ar": ratio(lb, "ar") for lb in labels if lb not in ("ar", ref)}},
-        "tree_gates": {lb: configs[lb].tree_gate.describe() for lb in labels
-                       if getattr(configs[lb], "tree_gate", None) is not None},
+        "tree_gates": {lb: configs[lb].verify_policy.gate.describe() for lb in labels
+                       if getattr(configs[lb].verify_policy, "gate", None) is not None},
         "sizer_calibration": sizers,
         "greedy_runs_equal_to_ar": equal, "runs": runs,
     }

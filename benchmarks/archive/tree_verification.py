@@ -33,7 +33,7 @@ from side_by_side import heldout_ids, interleaved_greedy, load_smollm2_dense, pa
 from dspine.config import SamplingConfig
 from dspine.proposers.drafter import DrafterProposer
 from dspine.core.engine import Engine
-from dspine.control.policy import make_policy
+from dspine.tune.controller import make_policy
 from dspine.proposers import make_proposer
 from dspine.trees import DraftTree, TreeSpec
 from dspine.tune.machine import describe, machine_info

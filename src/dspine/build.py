@@ -39,7 +39,7 @@ def check_installed_choices(config: SpeculativeConfig) -> None:
     from dspine.runtime.packed import LINEAR_BACKENDS
     from dspine.runtime.select import RUNTIMES
     from dspine.runtime.weights import TARGET_WEIGHTS
-    from dspine.tune.head import HEAD_KERNELS
+    from dspine.drafter.candidate_pass import HEAD_KERNELS
 
     c = config
     if c.draft_vocab not in VOCAB_CHOICES:
@@ -47,10 +47,7 @@ def check_installed_choices(config: SpeculativeConfig) -> None:
     if c.ngram_max > NgramIndex.MAX_NGRAM:
         raise ConfigError(f"SpeculativeConfig.ngram_max {c.ngram_max} must be in 1..{NgramIndex.MAX_NGRAM}",
                           field="ngram_max")
-    try:
-        check_copy_settings(c.proposer, c.mode, c.ngram_cache_tokens, c.ngram_max, c.copy_bonus)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_copy_settings(c.proposer, c.mode, c.ngram_cache_tokens, c.ngram_max, c.copy_bonus)  # ConfigError, field set
     if c.head_kernel not in ("auto", *HEAD_KERNELS):
         raise _refuse("head_kernel", c.head_kernel, ("auto", *HEAD_KERNELS))
     if c.linear_backend not in ("auto", *LINEAR_BACKENDS):
@@ -76,6 +73,28 @@ def tree_spec(config: SpeculativeConfig):
     return TreeSpec(config.tree_budget, shape, size=config.tree_size)
 
 
+def check_drafter_setting(config: SpeculativeConfig) -> str | None:
+    """The drafter checkpoint ``config`` asks for (a path, ``random``, or None for ``ar`` and
+    copies only), checked before any model is loaded: a shipped drafter exists for the
+    target and mode, a given path exists.
+
+    Raises:
+        ConfigError: no shipped drafter, or a missing checkpoint path (field ``drafter``).
+    """
+    c = config
+    if c.mode == "ar" or c.proposer == "ngram":
+        return None
+    if c.drafter is None:
+        path = default_drafter_path(c.target, c.mode)
+        if path is None:
+            raise ConfigError(f"SpeculativeConfig.drafter: no shipped {c.mode} drafter for target {c.target!r}; "
+                              f"give a trained checkpoint's path or 'random'", field="drafter")
+        return str(path)
+    if c.drafter != "random" and not Path(c.drafter).exists():
+        raise ConfigError(f"SpeculativeConfig.drafter {c.drafter!r}: no such checkpoint directory", field="drafter")
+    return c.drafter
+
+
 def build_engine(config: SpeculativeConfig | None = None, *, progress: bool = False):
     """Load target + drafter as ``config`` says and return ``(target, engine)``.
 
@@ -91,7 +110,7 @@ def build_engine(config: SpeculativeConfig | None = None, *, progress: bool = Fa
     """
     import torch
 
-    from dspine.control.policy import make_policy
+    from dspine.tune.controller import make_policy
     from dspine.core.engine import Engine, EngineError
     from dspine.drafter.checkpoint import load_drafter, random_drafter
     from dspine.guards import resolve_device, validate_runtime
@@ -107,6 +126,7 @@ def build_engine(config: SpeculativeConfig | None = None, *, progress: bool = Fa
     device = str(resolve_device("auto")) if c.device == "auto" else c.device  # as `dspine train --device auto`
     validate_runtime(None, None, dtype=c.dtype, device=device, concurrency=c.concurrency,
                      verify_policy=c.verify_policy)  # settings alone, before loading anything
+    drafter = check_drafter_setting(c)
     dt = parse_dtype(c.dtype)
     guard = dict(dtype=dt, device=device, concurrency=c.concurrency, verify_policy=c.verify_policy)
     target = load_target(c.target, dtype=dt, device=device)
@@ -132,13 +152,6 @@ def build_engine(config: SpeculativeConfig | None = None, *, progress: bool = Fa
             policy = None if c.verify_policy == "fixed" else make_policy(c.verify_policy, target, prop,
                                                                          progress=progress)
         return target, Engine(target, prop, c.mode, verify_policy=policy)
-    drafter = c.drafter
-    if drafter is None:
-        path = default_drafter_path(c.target, c.mode)
-        if path is None:
-            raise ConfigError(f"SpeculativeConfig.drafter: no shipped {c.mode} drafter for target {c.target!r}; "
-                              f"give a trained checkpoint's path or 'random'", field="drafter")
-        drafter = str(path)
     if drafter == "random":
         model = random_drafter(target, mode=c.mode, block_size=16 if c.block_size is None else c.block_size,
                                seed=c.seed, dtype=dt)
@@ -165,7 +178,7 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
     directory, or None / ``random`` for an untrained one).
 
     ``proposer``: :data:`dspine.proposers.PROPOSERS`; ``verify_policy``: ``fixed`` or
-    ``cost`` (:func:`dspine.control.policy.make_policy`, which measures the cost curve once per
+    ``cost`` (:func:`dspine.tune.controller.make_policy`, which measures the cost curve once per
     machine; ``progress`` says so on stderr, ``persist`` starts from the saved acceptance
     profile); ``tree``: a :class:`dspine.trees.TreeSpec` or None (chains);
     every setting is a :class:`~dspine.config.SpeculativeConfig` field of the same name
@@ -180,15 +193,16 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
 
     from dspine.drafter.vocab import DraftVocabError, resolve as resolve_vocab
     from dspine.core.engine import Engine, EngineError
-    from dspine.control.policy import make_policy
+    from dspine.tune.controller import make_policy
     from dspine.proposers import make_proposer
-    from dspine.proposers.drafter import DrafterProposer
+    from dspine.tune.drafter import measured_proposer
 
     path = None if drafter_path in (None, "random") else drafter_path
     with torch.no_grad():
         try:
             vocab = resolve_vocab(draft_vocab, path, model.cfg.vocab_size, model.cfg.head_topk)
-            drafting = DrafterProposer(model, head_kernel=head_kernel, linears=drafter_linears, vocab=vocab)
+            drafting = measured_proposer(model, head_kernel=head_kernel, linears=drafter_linears, vocab=vocab,
+                                         progress=progress)
             prop = make_proposer(proposer, drafting, ngram_max=ngram_max, ngram_min=ngram_min,
                                  cache_tokens=ngram_cache_tokens, copy_bonus=copy_bonus)
         except (DraftVocabError, ValueError) as e:

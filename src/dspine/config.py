@@ -21,7 +21,7 @@ from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, MAX_TREE_BUD
 
 #: the engine modes (``ar`` = the target alone; the drafters' architectures)
 ENGINE_MODES = ("ar", "dflash", "dspine")
-#: verification-length controllers by name (:func:`dspine.control.policy.make_policy`)
+#: verification-length controllers by name (:func:`dspine.tune.controller.make_policy`)
 VERIFY_POLICIES = ("fixed", "cost")
 
 

@@ -221,7 +221,7 @@ def validate_runtime(target=None, drafter_cfg=None, *, dtype="float32", device="
     if disaggregated:
         raise GuardError("prefill/decode disaggregation is not validated; accepted: off")
     if verify_policy is not None:
-        from dspine.control.policy import POLICIES
+        from dspine.config import VERIFY_POLICIES as POLICIES
 
         if verify_policy not in POLICIES:
             raise GuardError(f"--verify-policy {verify_policy!r} is unknown; accepted: {', '.join(POLICIES)}")

@@ -31,7 +31,8 @@ from dspine.bench.llama_cpp import LLAMA_MODES, LlamaCppRunner
 from dspine.bench.modes import ENGINE_MODES
 from dspine.bench.run_config import BenchConfig, DecodeSetting, parse_modes, require_batched_engine, resolve_drafters
 from dspine.bench.runners import make_runner
-from dspine.bench.workloads import build_prompts, parse_workloads, warmup_prompt, workload_version
+from dspine.bench.prompts import build_prompts, warmup_prompt
+from dspine.bench.workloads import parse_workloads, workload_version
 
 
 def _sandbox_check(prompt, text: str, cfg: BenchConfig) -> dict:

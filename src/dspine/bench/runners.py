@@ -53,7 +53,7 @@ class EngineRunner(Runner):
         from dspine.core.engine import Engine, EngineError
         from dspine.build import drafter_engine
         from dspine.config import SpeculativeConfig
-        from dspine.control.policy import make_policy
+        from dspine.tune.controller import make_policy
         from dspine.proposers import make_proposer
 
         self.mode = mode

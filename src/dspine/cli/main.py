@@ -164,8 +164,10 @@ def _save_profile(engine) -> None:
     pol = getattr(engine, "verify_policy", None)
     key = getattr(pol, "profile_key", None)
     if key is not None:
+        from dspine.tune.controller import save_profile
+
         try:
-            pol.save_profile(key, str(engine.target.device))
+            save_profile(pol, key, str(engine.target.device))
         except OSError as e:  # a read-only cache must not fail a finished generation
             print(f"dspine: note: could not save the acceptance profile ({e})", file=sys.stderr)
 

@@ -29,11 +29,13 @@ second::
   would cost more), and half-way between, a plain batched step (n = 0) when none was
   observed at this b recently.
 - With ``observe_costs=False`` on the wrapped policy, the prior alone prices the cycles.
-- Hybrid proposers (:class:`~dspine.control.policy.PerSourcePolicy`): each request's ``E_i`` comes
+- Hybrid proposers (:class:`~dspine.control.per_source.PerSourcePolicy`): each request's ``E_i`` comes
   from the policy of the source its proposer planned for this cycle (``request.source``, set
   before any draw): a request copying its prompt is accepted far more often than the
   drafter's block, and pricing it with the drafter's statistics kept the batch from
   verifying copies at all (2026-12-03).
+
+A priced controller builds it (:meth:`dspine.control.base.Controller.batch_pricing`).
 
 Non-anticipating (exactness, spec section 5): n depends on completed cycles, the cycle
 counter and measured times only, never on this cycle's draws.
@@ -42,26 +44,7 @@ from __future__ import annotations
 
 import math
 
-from dspine.control.base import Controller
 from dspine.control.estimator import DecayedCells, DecisionLog, best_rate, explore_length
-from dspine.control.policy import CostModelPolicy, PerSourcePolicy
-
-
-def batch_controller(controller: Controller, max_batch: int,
-                     current: "BatchCostPolicy | None" = None) -> "BatchCostPolicy | None":
-    """The batch pricing of ``controller`` for a batched engine of at most ``max_batch``
-    running requests: a :class:`BatchCostPolicy` over a cost policy (over a per-source
-    policy, the drafter's curve prices the forward and each source's statistics its
-    requests), None for a controller that does not price cycles (fixed lengths are then
-    chosen per request). ``current`` is returned when it already wraps the same policy."""
-    pol, sources = controller, None
-    if isinstance(pol, PerSourcePolicy):
-        pol, sources = pol.policies[pol.default], pol.policies
-    if not isinstance(pol, CostModelPolicy):
-        return None
-    if current is not None and current.policy is pol:
-        return current
-    return BatchCostPolicy(pol, max_batch, sources=sources)
 
 
 class BatchCostPolicy:
@@ -85,8 +68,8 @@ class BatchCostPolicy:
 
     MAX_DECISIONS = 4096  # ``decisions`` keeps between half and all of this many
 
-    def __init__(self, policy: CostModelPolicy, max_batch: int, cost_half_life: float | None = None,
-                 explore_every: int | None = None, sources: dict[str, CostModelPolicy] | None = None):
+    def __init__(self, policy, max_batch: int, cost_half_life: float | None = None,
+                 explore_every: int | None = None, sources: dict | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if cost_half_life is not None and not float(cost_half_life) > 0:
@@ -94,7 +77,7 @@ class BatchCostPolicy:
         if explore_every is not None and int(explore_every) < 0:
             raise ValueError(f"explore_every must be >= 0, got {explore_every}")
         self.policy = policy
-        self.sources = {k: v for k, v in (sources or {}).items() if isinstance(v, CostModelPolicy)}
+        self.sources = dict(sources or {})
         self.n_max = policy.cost.n_max
         self.times = DecayedCells(None)  # (b, d, n) -> decayed seconds and count
         self.times.decay = policy.times.decay if cost_half_life is None else DecayedCells(cost_half_life).decay

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -31,6 +32,10 @@ class CostCurve:
     final_per_row_s: float = 0.0
     meta: dict = field(default_factory=dict)
     propose_s: list[float] | None = None
+    #: ``on_stale(curve, ratio)``: called by a controller that finds decoding's observed
+    #: cycles ``ratio`` times this curve's cost (set where the curve was measured and cached,
+    #: :func:`dspine.tune.cost.flag_stale_curve`); not saved
+    on_stale: Callable[["CostCurve", float], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         """Raises ValueError: an empty curve, or a cost that is negative or not finite
@@ -49,7 +54,14 @@ class CostCurve:
         return len(self.verify_s) - 1
 
     def cycle_s(self, n: int) -> float:
-        """Cost of a cycle verifying n proposals (n = 0: plain autoregressive step)."""
+        """Cost of a cycle verifying n proposals (n = 0: plain autoregressive step; beyond
+        ``n_max``: the cost at ``n_max``).
+
+        Raises:
+            ValueError: a negative n.
+        """
+        if n < 0:
+            raise ValueError(f"CostCurve.cycle_s: n must be >= 0, got {n}")
         n = min(n, self.n_max)
         c = self.verify_s[n]
         if n > 0:
@@ -57,7 +69,9 @@ class CostCurve:
         return c
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("on_stale", None)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostCurve":
@@ -69,5 +83,5 @@ def copy_cost(curve: CostCurve) -> CostCurve:
     """``curve`` for a proposer that drafts for free (copies): the target's verification
     only; the cost of looking a match up is in the observed cycle times."""
     return CostCurve(list(curve.verify_s), 0.0, 0.0, meta={**curve.meta, "proposer": "copy"},
-                     propose_s=[0.0] * len(curve.verify_s))
+                     propose_s=[0.0] * len(curve.verify_s), on_stale=curve.on_stale)
 

@@ -32,12 +32,12 @@ EXPLORE_COST_RATIO = 2.0
 
 def decay_factor(half_life: float | None) -> float:
     """Factor applied to old observations per new one so that an observation's weight
-    halves after ``half_life`` observations; 1.0 (no decay) for None, 0 or infinity.
+    halves after ``half_life`` observations; 1.0 (no decay) for None, 0 or +infinity.
 
     Raises:
-        ValueError: a negative or NaN half-life.
+        ValueError: a negative (-infinity included) or NaN half-life.
     """
-    if half_life is None or half_life == 0 or math.isinf(half_life):
+    if half_life is None or half_life == 0 or half_life == math.inf:
         return 1.0
     if not half_life > 0:
         raise ValueError(f"half_life must be > 0 (observations), got {half_life}")
@@ -167,11 +167,15 @@ def expected_tokens(conf: Sequence[float]) -> list[float]:
 def best_rate(options: Iterable[int], value: Callable[[int], float], cost: Callable[[int], float],
               default: int = 0) -> int:
     """The option with the highest ``value(o) / cost(o)`` (a free option wins), the first
-    in ``options`` on ties (within a relative 1e-9); ``default`` when there is none."""
+    in ``options`` on ties (within a relative 1e-9); ``default`` when there is none. An
+    option whose cost or value is not a number (NaN) is never chosen: an unknown cost is not
+    a free one."""
     best, best_rate_ = default, -1.0
     for o in options:
-        c = cost(o)
-        r = value(o) / c if c > 0 else math.inf
+        c, v = cost(o), value(o)
+        if math.isnan(c) or math.isnan(v):
+            continue
+        r = v / c if c > 0 else math.inf
         if r > best_rate_ * (1 + 1e-9):
             best, best_rate_ = o, r
     return best

@@ -10,7 +10,7 @@ where an anticipating rule that cuts the block after looking at a sampled token 
 
 Policies:
 
-- :class:`FixedPolicy` (``fixed``; the library default when no policy is given, while ``dspine generate`` and ``serve`` default to ``cost``): always ``n_max`` (or a set n).
+- :class:`dspine.control.base.FixedPolicy` (``fixed``; the library default when no policy is given, while ``dspine generate`` and ``serve`` default to ``cost``): always ``n_max`` (or a set n).
 - :class:`CostModelPolicy` (``cost``): chooses n maximizing expected tokens per second,
   ``E[tokens | n] / C(n)``, where
 
@@ -33,6 +33,9 @@ Policies:
     n, and a plain step (n = 0) is probed now and then so the comparison with ``ar``
     stays real.
 
+Per proposer source: :class:`dspine.control.per_source.PerSourcePolicy`; built by name (the
+cost curve measured once per machine): :func:`dspine.tune.controller.make_policy`.
+
 A policy that *truncates the block after looking at which token was sampled* (e.g.
 dropping the first proposal equal to some token) is anticipating: the verified
 proposal at that position is then drawn from q conditioned on not being that token
@@ -42,19 +45,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import weakref
 
-import torch
-
-from dspine.config import VERIFY_POLICIES
-from dspine.control.base import Controller, FixedPolicy
-from dspine.control.cost_curve import CostCurve, copy_cost
+from dspine.control.batch_policy import BatchCostPolicy
+from dspine.control.cost_curve import CostCurve
 from dspine.control.estimator import (EXPLORE_COST_RATIO, AcceptanceStats, DecayedCells, DecisionLog,
-                                      best_rate, expected_tokens, explore_length)
-from dspine.tune.cost import flag_stale_curve, measure_cost
-
-POLICIES = VERIFY_POLICIES
-
+                                      best_rate, decay_factor, expected_tokens, explore_length)
+from dspine.control.priced import PricedController
 
 class _RequestState:
     __slots__ = ("stats", "seen", "last_explore")
@@ -65,7 +61,7 @@ class _RequestState:
         self.last_explore = 0  # req.cycles consumed when a longer n was last explored
 
 
-class CostModelPolicy(Controller):
+class CostModelPolicy(PricedController):
     """Choose n maximizing expected tokens per second (see the module docstring).
 
     Args:
@@ -111,6 +107,15 @@ class CostModelPolicy(Controller):
             raise ValueError(f"explore_every must be >= 0, got {explore_every}")
         if not cost_half_life > 0:
             raise ValueError(f"cost_half_life must be > 0 (cycles), got {cost_half_life}")
+        if not isinstance(cost, CostCurve):
+            raise ValueError(f"cost must be a measured CostCurve, got {type(cost).__name__}")
+        if not (prior_weight >= 0 and math.isfinite(prior_weight)):
+            raise ValueError(f"prior_weight must be a finite number >= 0 (pseudo-cycles), got {prior_weight}")
+        if not (global_weight_cap >= 0 and math.isfinite(global_weight_cap)):
+            raise ValueError(f"global_weight_cap must be a finite number >= 0 (pseudo-cycles), got {global_weight_cap}")
+        if isinstance(explore_every, bool) or int(explore_every) != explore_every:
+            raise ValueError(f"explore_every must be a whole number of cycles, got {explore_every}")
+        decay_factor(half_life)  # ValueError for a negative or NaN half-life, now rather than at the first request
         self.times = DecayedCells(cost_half_life)  # n -> decayed measured cycle seconds and count
         self.cost = cost
         self.prior_accept, self.prior_weight = prior_accept, prior_weight
@@ -125,6 +130,7 @@ class CostModelPolicy(Controller):
         self.depth_prior = bool(depth_prior)
         self._ratios: list[float] = []  # observed / measured of the last STALE_CYCLES judged cycles
         self.stale_ratio: float | None = None  # set once the curve was found stale
+        self._batch = None  # BatchCostPolicy of batch_pricing
 
     # cycle cost ----------------------------------------------------------------------------
     def observe(self, n: int, seconds: float) -> None:
@@ -141,7 +147,8 @@ class CostModelPolicy(Controller):
                 r = statistics.median(self._ratios)
                 if r > self.STALE_RATIO or r < 1.0 / self.STALE_RATIO:
                     self.stale_ratio = r
-                    flag_stale_curve(self.cost, r)
+                    if self.cost.on_stale is not None:  # e.g. mark the tune cache entry (tune/cost.py)
+                        self.cost.on_stale(self.cost, r)
 
     def cycle_cost(self, n: int) -> float:
         """Estimated cost (s) of a cycle verifying n proposals: the decayed mean of the
@@ -165,10 +172,8 @@ class CostModelPolicy(Controller):
 
     # statistics ----------------------------------------------------------------------------
     def _state(self, req) -> _RequestState:
-        states = getattr(req, "_verify_policy_states", None)  # one state per policy object, so a
-        if states is None:  # policy swapped out and back in does not count the same cycles twice
-            states = req._verify_policy_states = weakref.WeakKeyDictionary()
-        st = states.get(self)
+        states = req.control_state  # one state per policy object, so a policy swapped out and
+        st = states.get(self)  # back in does not count the same cycles twice
         if st is None:
             st = states[self] = _RequestState(self.half_life)
         for c in req.cycles[st.seen:]:  # completed cycles only: never this cycle's draws
@@ -219,15 +224,13 @@ class CostModelPolicy(Controller):
     # persisted profile ---------------------------------------------------------------------
     PROFILE_CYCLES = 64.0  # a loaded profile weighs at most this many cycles
 
-    def load_profile(self, key: str, device: str = "cpu") -> bool:
-        """Start from the pooled acceptance statistics and observed cycle costs that an
-        earlier run of the same target and drafter on this machine saved under ``key``
-        (:meth:`save_profile`), scaled down to at most :attr:`PROFILE_CYCLES` cycles, so a
-        new process does not pay again to learn what drafting is worth here. Returns
-        True when a profile was loaded. A damaged entry is ignored."""
-        from dspine.tune import store
-
-        e = store.get(key, device)
+    def restore_profile(self, e: dict | None) -> bool:
+        """Start from the pooled acceptance statistics and observed cycle costs of ``e``, a
+        profile an earlier run of the same target and drafter on this machine saved
+        (:meth:`profile`; stored by :mod:`dspine.tune.controller`), scaled down to at most
+        :attr:`PROFILE_CYCLES` cycles, so a new process does not pay again to learn what
+        drafting is worth here. Returns True when it was restored; a missing or damaged
+        entry is ignored (False)."""
         try:
             risk, acc = [float(x) for x in e["risk"]], [float(x) for x in e["acc"]]
             obs_sum, obs_w = [float(x) for x in e["obs_sum"]], [float(x) for x in e["obs_w"]]
@@ -245,14 +248,13 @@ class CostModelPolicy(Controller):
         self._costs = None
         return True
 
-    def save_profile(self, key: str, device: str = "cpu") -> None:
-        """Save the pooled acceptance statistics and observed cycle costs under ``key``."""
-        from dspine.tune import store
-
+    def profile(self) -> dict:
+        """The pooled acceptance statistics and observed cycle costs, to be saved for the next
+        run (JSON-ready; :meth:`restore_profile`)."""
         ns = range(self.cost.n_max + 1)
-        store.put(key, {"risk": self.pooled.risk, "acc": self.pooled.acc,
-                        "obs_sum": [self.times.total(n) for n in ns], "obs_w": [self.times.weight(n) for n in ns],
-                        "cycles": self.pooled.cycles}, device)
+        return {"risk": self.pooled.risk, "acc": self.pooled.acc,
+                "obs_sum": [self.times.total(n) for n in ns], "obs_w": [self.times.weight(n) for n in ns],
+                "cycles": self.pooled.cycles}
 
     #: an exploration verifies the longest n whose estimated cycle costs at most this times
     #: the chosen n's (single requests and batches alike, :mod:`dspine.control.estimator`)
@@ -274,6 +276,14 @@ class CostModelPolicy(Controller):
         ratio = self.cycle_cost(explored) / c if c > 0 else 1.0
         return max(self.explore_every, math.ceil(self.explore_every * max(1.0, ratio)))
 
+    def batch_pricing(self, max_batch: int):
+        """One verification length per batched cycle of at most ``max_batch`` requests,
+        priced with this policy's statistics and curve (:class:`BatchCostPolicy`, kept
+        while ``max_batch`` stays the same)."""
+        if self._batch is None or self._batch.max_batch != max_batch:
+            self._batch = BatchCostPolicy(self, max_batch)
+        return self._batch
+
     def __call__(self, req, n_max: int) -> int:
         st = self._state(req)
         e = self.explore_every
@@ -286,135 +296,3 @@ class CostModelPolicy(Controller):
             n = 0  # probe a plain step: its observed cost decayed away (or was never seen)
         self.decisions.append(n)  # bounded: a server runs for days
         return n
-
-
-class PerSourcePolicy(Controller):
-    """One :class:`CostModelPolicy` per proposer source (the copy-or-draft hybrid).
-
-    A copied continuation and a drafter's block are accepted at very different rates and
-    cost differently (a copy needs no drafter forward), so each source keeps its own
-    acceptance statistics, observed cycle costs and cost curve; the engine sets
-    ``request.source`` from :meth:`Proposer.plan` (before any draw) and this policy asks
-    that source's policy. Non-anticipating like its parts.
-
-    Args:
-        policies: source name -> its policy (each built with ``source=`` that name).
-        default: the source asked when a request's source has no policy of its own; its
-            policy's acceptance profile is the one persisted.
-    """
-
-    name = "cost"
-
-    def __init__(self, policies: dict[str, CostModelPolicy], default: str):
-        if default not in policies:
-            raise ValueError(f"PerSourcePolicy default {default!r} is not among {sorted(policies)}")
-        self.policies, self.default = dict(policies), default
-
-    @property
-    def profile_key(self) -> str | None:
-        return self.policies[self.default].profile_key
-
-    @property
-    def cost(self) -> CostCurve:
-        """The default source's measured cost curve (the drafter's)."""
-        return self.policies[self.default].cost
-
-    def save_profile(self, key: str, device: str = "cpu") -> None:
-        self.policies[self.default].save_profile(key, device)
-
-    @property
-    def decisions(self) -> list[int]:
-        return [n for p in self.policies.values() for n in p.decisions]
-
-    def __call__(self, req, n_max: int) -> int:
-        src = getattr(req, "source", "") or self.default
-        return self.policies.get(src, self.policies[self.default])(req, n_max)
-
-    def rate(self, req, source: str, n_max: int) -> float:
-        """Expected tokens per second of the best n in 1..``n_max`` for ``source``, from
-        that source's statistics (this request's and the pooled ones) and cost; 0 for a
-        source without a cost policy. n = 0 (a plain target step) is left out: it is the
-        same step whichever source is chosen, so it must not decide between them (its
-        observed cost differs between sources only by noise)."""
-        pol = self.policies.get(source)
-        if not isinstance(pol, CostModelPolicy) or n_max <= 0:
-            return 0.0
-        st = pol._state(req)
-        n_max = min(n_max, pol.cost.n_max)
-        e = pol.expected_tokens(pol.confidence(st.stats, n_max))
-        return max((e[n] / c for n in range(1, n_max + 1) if (c := pol.cycle_cost(n)) > 0), default=0.0)
-
-    def picker(self, req):
-        """``pick(plans) -> plan`` for ``req``: :meth:`pick` (the controller chooses the source)."""
-        return lambda plans: self.pick(req, plans)
-
-    def pick(self, req, plans: list):
-        """The plan (:class:`~dspine.proposers.base.Plan`) with the highest :meth:`rate`;
-        the first on ties. Reads only completed cycles: non-anticipating."""
-        return max(plans, key=lambda p: (self.rate(req, p.source, p.max_n), -plans.index(p)))
-
-
-def profile_key(target, proposer) -> str | None:
-    """Key of the persisted acceptance profile of ``target`` + ``proposer`` (a digest of
-    the drafter's config and weights, the target's name and dtype), or None for
-    proposers without a drafter."""
-    import hashlib
-
-    drafter = getattr(proposer, "drafter", None)
-    if drafter is None:
-        return None
-    h = hashlib.sha256(drafter.cfg.to_json().encode())
-    h.update(f"{target.name}|{target.dtype}|{target.vocab_size}".encode())
-    if getattr(proposer, "ngram", None) is not None:  # a hybrid's drafter sees only non-copy contexts
-        h.update(b"|hybrid")
-    with torch.no_grad():
-        for name, p in sorted(drafter.named_parameters()):
-            h.update(name.encode())
-            h.update(p.detach().flatten()[:256].float().cpu().numpy().tobytes())
-    return "profile:" + h.hexdigest()[:20]
-
-
-def _sources(proposer) -> list[str]:
-    """The proposer sources a policy has to price, the drafter's (default) first."""
-    if proposer is None:
-        return ["draft"]
-    if getattr(proposer, "ngram", None) is not None and getattr(proposer, "drafter_proposer", None) is not None:
-        return list(getattr(proposer, "sources", None) or
-                    [getattr(proposer.drafter_proposer, "source", "draft"), "ngram", "ngram1"])
-    return [getattr(proposer, "source", "draft")]
-
-
-def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
-                cost: CostCurve | None = None, progress: bool = False, persist: bool = False) -> Controller:
-    """Build a policy by name: ``fixed`` or ``cost`` (measures the cost curve of
-    ``target`` + ``proposer`` unless ``cost`` is given). ``persist``: the cost policy
-    starts from the acceptance profile saved by an earlier run on this machine
-    (:meth:`CostModelPolicy.load_profile`) and remembers its key (``profile_key``) so
-    the caller can :meth:`~CostModelPolicy.save_profile` at the end.
-
-    Raises:
-        ValueError: unknown name (naming ``--verify-policy`` and the accepted values).
-    """
-    if name == "fixed":
-        return FixedPolicy()
-    if name == "cost":
-        if cost is None:
-            if target is None:
-                raise ValueError("--verify-policy cost needs a target to measure the cost curve")
-            if n_max is None:
-                n_max = (getattr(proposer, "block_size", 16) - 1) if proposer is not None else 0
-            drafting = getattr(proposer, "drafter_proposer", proposer)  # a hybrid: its drafter's cost
-            if drafting is not None and getattr(drafting, "drafter", None) is None \
-                    and getattr(drafting, "source", "") == "ngram":
-                drafting = None  # copies cost only the verification
-            cost = measure_cost(target, drafting, n_max=n_max, progress=progress)
-        sources = _sources(proposer)
-        pols = {s: CostModelPolicy(copy_cost(cost) if s.startswith("ngram") or s == "cache" else cost,
-                                   source=s if len(sources) > 1 else None)
-                for s in sources}
-        pol = pols[sources[0]]
-        pol.profile_key = profile_key(target, proposer) if persist and target is not None else None
-        if pol.profile_key is not None:
-            pol.load_profile(pol.profile_key, str(target.device))
-        return pol if len(pols) == 1 else PerSourcePolicy(pols, sources[0])
-    raise ValueError(f"--verify-policy {name!r} is unknown; accepted: {', '.join(POLICIES)}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 
 from dspine.config import SamplingConfig
-from dspine.control.batch_policy import BatchCostPolicy, batch_controller
+from dspine.control.batch_policy import BatchCostPolicy
 from dspine.core.cycle import Cycle, fail
 from dspine.core.engine import Engine, EngineError
 from dspine.core.forward import SharedRowsPass
@@ -168,9 +168,9 @@ class BatchEngine:
 
     def _batch_policy(self) -> BatchCostPolicy | None:
         """The batch-level pricing of the engine's controller
-        (:func:`dspine.control.batch_policy.batch_controller`: rebuilt if the engine's
-        controller was replaced), or None (per-request choices)."""
-        self.batch_policy = batch_controller(self.engine.verify_policy, self.max_running, self.batch_policy)
+        (:meth:`dspine.control.base.Controller.batch_pricing`: the current controller's, so a
+        replaced controller is followed), or None (per-request choices)."""
+        self.batch_policy = self.engine.verify_policy.batch_pricing(self.max_running)
         return self.batch_policy
 
     # -- convenience ---------------------------------------------------------------------

@@ -98,13 +98,12 @@ class Cycle:
         a tree budget, the proposer builds trees, the pass verifies them and the tree gate
         opens; the other requests get chains (several at once with ``batch_draft``: if that
         raises, each is retried alone, redrawing the same uniforms, so only a culprit fails)."""
-        eng, prop = self.engine, self.engine.proposer
+        eng, prop, ctl = self.engine, self.engine.proposer, self.engine.verify_policy
         out: list[Proposal | None] = [None] * len(reqs)
         if eng.tree.enabled and prop is not None and prop.supports_tree:
-            trim = eng.tree_sizer.trim if eng.tree_sizer is not None else None
+            trim = ctl.tree_trim()
             for i, (r, n) in enumerate(zip(reqs, ns)):
-                if n <= 0 or not self.target_pass.takes_tree(r) \
-                        or (eng.tree_gate is not None and not eng.tree_gate.choose(r.source)):
+                if n <= 0 or not self.target_pass.takes_tree(r) or not ctl.draft_tree(r):
                     continue
                 try:
                     p = prop.propose_tree(r.draft_state, r.anchor, starts[i], n, eng.tree, r.sampling, r.gen,
@@ -147,7 +146,7 @@ class Cycle:
         failed). Sets :attr:`last`. Raises what a shared forward raises, and with
         ``isolate=False`` what any step raises.
         """
-        eng, tp = self.engine, self.target_pass
+        eng, tp, ctl = self.engine, self.target_pass, self.engine.verify_policy
         t0 = time.perf_counter()
         ns0, bpol = self.lengths(reqs)
         starts = tp.starts(reqs)
@@ -175,8 +174,8 @@ class Cycle:
             keep = 1 + min(o.accepted, len(new) - 1)  # the last emitted token is the next anchor
             rows = o.rows[:keep]
             tp.commit(i, req, starts[i], rows)
-            if p.tree is not None and eng.tree_sizer is not None:  # its time model learns from lone cycles
-                eng.tree_sizer.observe(p.tree, [r - 1 for r in o.rows[1:]], verify_s if len(reqs) == 1 else 0.0)
+            if p.tree is not None:  # the tree budget learns (its time model from lone cycles only)
+                ctl.observe_tree(p.tree, [r - 1 for r in o.rows[1:]], verify_s if len(reqs) == 1 else 0.0)
             if eng.proposer is not None:
                 f = feats[i] if feats is not None else None
                 f = f[rows] if f is not None else torch.zeros(len(rows), 0)  # feature-less proposers
@@ -199,8 +198,8 @@ class Cycle:
         self.last = BatchCycle(len(reqs), draft_s, final_s, verify_s, total, emitted)
         for rec in recs:  # every request waited for the whole cycle: record its phases
             rec.draft_s, rec.final_s, rec.verify_s, rec.total_s = draft_s, final_s, verify_s + own_s, total
-        if len(reqs) == 1 and recs:  # the tree gate learns from lone cycles (their own time)
-            eng.observe_tree_gate(reqs[0])
+        if len(reqs) == 1 and recs:  # tree or chain is learned from lone cycles (their own time)
+            ctl.observe_cycle(reqs[0])
         if bpol is not None:
             width = max(len(q) for q in inputs)
             drafted = sum(1 for r, q in zip(reqs, inputs) if len(q) > 1 and bpol.drafts(r))

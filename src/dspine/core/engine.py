@@ -87,17 +87,9 @@ class Engine:
             raise EngineError(f"verify_policy must be a dspine.control.base.Controller, got {type(verify_policy).__name__}")
         self.verify_policy = verify_policy if verify_policy is not None else FixedPolicy()
         self.tree = tree or TreeSpec()
-        # --tree-size cost: the verified prefix of best-first trees, from the policy's cost curve
-        self.tree_sizer = None
-        curve = self.verify_policy.cost
-        if self.tree.enabled and self.tree.size == "cost" and curve is not None:
-            from dspine.control.tree_sizer import TreeSizer
-            self.tree_sizer = TreeSizer(curve.verify_s)
-        # ... and whether a drafting cycle drafts a tree or a chain, by their measured rates
-        self.tree_gate = None
-        if self.tree_sizer is not None:
-            from dspine.control.tree_gate import TreeGate
-            self.tree_gate = TreeGate()
+        # the controller decides the tree budget too (--tree-size cost: tree or chain, and
+        # each tree's verified prefix, from its cost curve; control/priced.py)
+        self.verify_policy.bind_trees(self.tree)
         # target feature layers the proposer reads; None (no capture) for ``ar`` and for
         # proposers without features (oracles in tests), which then get [n, 0] features
         fl = list(self.proposer.feature_layers) if self.proposer is not None else []
@@ -219,13 +211,6 @@ class Engine:
         prop.q_probs = prop.q_probs[:k] if prop.q_probs is not None else None
         return prop
 
-    def observe_tree_gate(self, req: Request) -> None:
-        """Tell the tree gate (:class:`dspine.control.tree_gate.TreeGate`) how ``req``'s last cycle
-        went, when it drafted (a tree or a chain of its source)."""
-        c = req.cycles[-1] if req.cycles else None
-        if self.tree_gate is not None and c is not None and c.n > 0:
-            self.tree_gate.observe(c.source, c.tree_nodes > 0, c.emitted, c.total_s)
-
     def emit(self, req: Request, new: list[int]) -> list[int]:
         """Append tokens, enforcing EOS, stop strings and max_new_tokens; return those
         appended (a prefix of ``new``). Finishing calls :meth:`Proposer.finish`."""
@@ -314,8 +299,8 @@ class Engine:
                 "device": str(self.target.device), "threads": torch.get_num_threads(),
                 "verify_policy": self.verify_policy.name if self.proposer else None,
                 "draft_tree": self.tree_info()}
-        if self.tree_gate is not None:  # trees or chains, as measured so far (control/tree_gate.py)
-            info["tree_gate"] = self.tree_gate.describe()
+        if self.proposer is not None:  # e.g. trees or chains, as measured so far (control/priced.py)
+            info.update(self.verify_policy.describe())
         info.update(prop)
         return info
 
@@ -327,7 +312,7 @@ class Engine:
             return f"chain ({self.mode} drafter has no final-stage tables for a tree)"
         if not self.target.supports_tree(self.target.new_cache()):
             return f"chain (trees need the dense runtime; target runs {self.target.runtime_name})"
-        if self.tree.size == "cost" and self.tree_sizer is None:
+        if self.tree.size == "cost" and not self.verify_policy.sizes_trees:
             return self.tree.describe().replace(", size=cost", ", size=fixed: --tree-size cost needs "
                                                 "--verify-policy cost")
         return self.tree.describe()

@@ -6,6 +6,7 @@ Plain data: nothing here runs the target or a proposer (:mod:`dspine.core.cycle`
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -97,6 +98,9 @@ class Request:
     t_first: float = 0.0
     t_end: float = 0.0
     stops: StopDetector | None = None  # incremental stop-string detection (None: no stop strings)
+    #: per-controller state of this request (controller -> its statistics), kept only while
+    #: the controller lives (:class:`dspine.control.policy.CostModelPolicy`)
+    control_state: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def count_acceptance(self, n: int, a: int) -> None:
         """Record a cycle that drafted ``n`` positions and accepted the first ``a``."""

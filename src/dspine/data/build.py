@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from dspine.data.generate import batch_engine, cpu_speed_patches, generate_batch, generate_engine
-from dspine.data.sources import interleave, iter_jsonl_prompts, training_prompts
+from dspine.data.sources import iter_jsonl_prompts, training_prompts
+from dspine.data.stdlib import interleave
 from dspine.data.store import (FORMAT, MANIFEST, _all_shards, _index, _lock_dir, _packed, _repair_and_scan, _shards,
                                _write_json_atomic, read_manifest)
 from dspine.data.tokenizer import _same_target, _template_info, encode_record, tokenizer_fingerprint

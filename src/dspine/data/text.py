@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from dspine.argtypes import positive_int
 from dspine.data.store import FORMAT, MANIFEST, _write_json_atomic
 from dspine.data.tokenizer import tokenizer_fingerprint
-from dspine.data.sources import _iter_json_array, _module_path, is_eval_record, is_heldout_module, stdlib_modules
+from dspine.data.sources import _iter_json_array, is_eval_record
+from dspine.data.stdlib import is_heldout_module, module_path, stdlib_modules
 
 
 def _stdlib_chunks(target, seq_len: int):
@@ -29,7 +30,7 @@ def _stdlib_chunks(target, seq_len: int):
         if is_heldout_module(mod):
             continue
         try:
-            src = _module_path(mod).read_text(encoding="utf-8")
+            src = module_path(mod).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
         ids = target.tokenizer.encode(src, add_special_tokens=False)
@@ -79,7 +80,7 @@ def build_text_dataset(target, out_dir: str | Path, sources=("stdlib", "sharegpt
             with a tokenizer that has no chat template, or ``out_dir`` is a file or not
             empty (a dataset is never overwritten).
     """
-    from dspine.data.sources import load_splits
+    from dspine.data.splits import load_splits
 
     bad = [s for s in sources if s not in ("stdlib", "sharegpt")]
     if bad:

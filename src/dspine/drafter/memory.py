@@ -19,7 +19,7 @@ d_c code width, d_m message width, L_d drafter layers):
 - draft context K/V: ``2 L_d n_kv d_head s`` per position, for a full window, and
   for the retained context of each request in two layouts: *dense pool (release)*,
   which keeps every position, and *bounded ring buffer (dspine)*
-  (:class:`dspine.drafter.checkpoint.DraftContextCache`), which holds at most ``window``,
+  (:class:`dspine.proposers.draft_context.DraftContextCache`), which holds at most ``window``,
 - with a target: its weights (parameter count from its config, instantiated on the
   ``meta`` device), its KV per position and for the context, and the recurrent and
   convolution state of linear-attention layers (recurrent state in float32, spec s.6).

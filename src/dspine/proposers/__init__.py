@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 from dspine.argtypes import PROPOSER_NAMES as PROPOSERS  # the --proposer values
+from dspine.config import ConfigError
 from dspine.proposers.base import Plan, Proposal, Proposer
 from dspine.proposers.cache import MIN_TOKENS, OutputCache
-from dspine.proposers.drafter import DraftContextCache, DrafterProposer, propose_batch
+from dspine.proposers.draft_context import DraftContextCache
+from dspine.proposers.drafter import DrafterProposer, propose_batch
 from dspine.proposers.copy_or_draft import MAX_COPY_BONUS, HybridProposer, HybridState
 from dspine.proposers.ngram import NgramIndex, NgramProposer
 
@@ -24,30 +26,30 @@ def check_copy_settings(name: str, mode: str = "dspine", cache_tokens: int = 0, 
     ``--proposer name`` and ``--mode mode`` (checked before anything is loaded).
 
     Raises:
-        ValueError: naming the setting (unknown proposer, a cache below its minimum, without
+        ConfigError: naming the setting and its field (unknown proposer, a cache below its minimum, without
             copies or with ``--ngram-max`` < 2, a copy bonus out of range or without the hybrid).
     """
     if name not in PROPOSERS:
-        raise ValueError(f"--proposer {name!r} is unknown; accepted: {', '.join(PROPOSERS)}")
+        raise ConfigError(f"--proposer {name!r} is unknown; accepted: {', '.join(PROPOSERS)}", field="proposer")
     if cache_tokens < 0:
-        raise ValueError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {cache_tokens}")
+        raise ConfigError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {cache_tokens}", field="ngram_cache_tokens")
     if cache_tokens:
         if mode == "ar" or name == "drafter":
-            raise ValueError(f"--ngram-cache-tokens needs --proposer hybrid or ngram (copies); "
-                             f"{'--mode ar' if mode == 'ar' else '--proposer drafter'} makes none")
+            raise ConfigError(f"--ngram-cache-tokens needs --proposer hybrid or ngram (copies); "
+                             f"{'--mode ar' if mode == 'ar' else '--proposer drafter'} makes none", field="ngram_cache_tokens")
         if cache_tokens < MIN_TOKENS:
-            raise ValueError(f"--ngram-cache-tokens must be 0 (off) or >= {MIN_TOKENS}, got {cache_tokens}")
+            raise ConfigError(f"--ngram-cache-tokens must be 0 (off) or >= {MIN_TOKENS}, got {cache_tokens}", field="ngram_cache_tokens")
         if ngram_max < 2:
-            raise ValueError(f"--ngram-cache-tokens needs --ngram-max >= 2 (the cache proposes on matches of 2+ "
-                             f"tokens), got --ngram-max {ngram_max}")
+            raise ConfigError(f"--ngram-cache-tokens needs --ngram-max >= 2 (the cache proposes on matches of 2+ "
+                             f"tokens), got --ngram-max {ngram_max}", field="ngram_cache_tokens")
     if copy_bonus is not None:
         if not isinstance(copy_bonus, (int, float)) or isinstance(copy_bonus, bool) \
                 or not 0 <= copy_bonus <= MAX_COPY_BONUS:
-            raise ValueError(f"--copy-bonus must be in 0..{MAX_COPY_BONUS:g} (a score bonus; float32 scores "
-                             f"overflow far above that), got {copy_bonus!r}")
+            raise ConfigError(f"--copy-bonus must be in 0..{MAX_COPY_BONUS:g} (a score bonus; float32 scores "
+                             f"overflow far above that), got {copy_bonus!r}", field="copy_bonus")
         if mode == "ar" or name != "hybrid":
-            raise ValueError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain); "
-                             f"{'--mode ar' if mode == 'ar' else '--proposer ' + name} has none")
+            raise ConfigError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain); "
+                             f"{'--mode ar' if mode == 'ar' else '--proposer ' + name} has none", field="copy_bonus")
 
 
 def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngram_max: int = 4,

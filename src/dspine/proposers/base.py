@@ -16,7 +16,7 @@ Per cycle the engine calls, in this order:
    non-anticipating and sampling stays exact whatever the plan is (the same argument as
    the verification length policy, :mod:`dspine.control.policy`). A proposer with several
    sources (the hybrid) lists the ones available and lets ``pick`` (the cost policy's
-   :meth:`~dspine.control.policy.PerSourcePolicy.pick`, from past cycles only) choose.
+   :meth:`~dspine.control.per_source.PerSourcePolicy.pick`, from past cycles only) choose.
 2. the verification-length policy, ``policy(request, plan.max_n) -> n`` (it sees the
    plan's source as ``request.source``);
 3. :meth:`Proposer.propose` (n >= 1) -> :class:`Proposal`, from the planned source;

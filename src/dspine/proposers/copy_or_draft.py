@@ -10,7 +10,7 @@ token and, opt-in, ``ngram-contested`` when the matched suffix's two most recent
 occurrences were followed by different tokens, :meth:`NgramIndex.contested`; q a point
 mass) and the drafter are both on offer, and the cost policy picks the
 one with the higher expected tokens per second from each source's own observed
-acceptance and cost (:meth:`dspine.control.policy.PerSourcePolicy.pick`; a copy costs no drafter
+acceptance and cost (:meth:`dspine.control.per_source.PerSourcePolicy.pick`; a copy costs no drafter
 forward); without a cost policy a copy is taken when its match has 2+ tokens. The choice reads only committed
 tokens, the anchor and past cycles, so it is made before any proposal is drawn and
 sampling stays exact (see :mod:`dspine.proposers.base`).

@@ -2,7 +2,7 @@
 
 :class:`DrafterProposer` runs a :class:`~dspine.drafter.model.DSpineDrafter` (DSpine with bridge
 and final stage, or DFlash-style without, by its config flags) over the request's
-draft context K/V (:class:`DraftContextCache`); :func:`propose_batch` runs it for
+draft context K/V (:class:`~dspine.proposers.draft_context.DraftContextCache`); :func:`propose_batch` runs it for
 several requests with one drafter forward (the batched engine).
 """
 from __future__ import annotations
@@ -12,148 +12,48 @@ import time
 import torch
 
 from dspine.config import SamplingConfig
-from dspine.drafter.final_stage import candidates, chain, conditional_tables, fused_tables, parallel_argmax
+from dspine.drafter.candidate_pass import CandidatePass, forced_candidate_pass
+from dspine.drafter.final_stage import candidates, chain, fused_tables, parallel_argmax
 from dspine.drafter.model import BlockOutput, DSpineDrafter
+from dspine.drafter.q8 import forced_linears
 from dspine.runtime.lean_drafter import block_forward
 from dspine.core.sampling import filter_probs, sample_index, uniform
 from dspine.proposers.base import Proposal, Proposer
-
-
-class DraftContextCache:
-    """Draft context K/V of one request, bounded to ``window`` positions (ring buffer).
-
-    Holds per layer k, v [kv, cap, hd] (RoPE applied), absolute positions [cap] and a
-    valid mask; ``cap`` grows by doubling up to ``window``, after which the oldest
-    positions are overwritten (memory stays flat past the window, spec section 7).
-
-    Commits are lazy when ``project`` is given (``project(features [1, n, F*d], pos [1, n])``
-    -> per layer (k, v) [1, kv, n, hd], the drafter's context projection): :meth:`defer`
-    only keeps the features, and :meth:`flush` (called by :meth:`as_batch`, i.e. before the
-    drafter reads its context) projects everything pending in one call. Cycles in which
-    nothing is drafted (the cost policy's plain target steps, copies) then cost no drafter
-    work at all; the K/V of a position depends on its own features and position only, so
-    this equals committing position by position up to the float rounding of a larger
-    matrix product.
-    """
-
-    def __init__(self, num_layers: int, window: int, project=None):
-        self.L, self.window = num_layers, window
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.pos: torch.Tensor | None = None  # [cap] int64
-        self.valid: torch.Tensor | None = None  # [cap] bool
-        self.written = 0  # positions ever appended (pending ones not yet)
-        self.pending: list[tuple[torch.Tensor, int]] = []  # (features [n, F*d], first position)
-        self._pending_n = 0  # positions in ``pending``
-        self._project = project
-
-    def defer(self, features: torch.Tensor, start_pos: int) -> None:
-        """Keep ``features`` [n, F*d] of positions ``start_pos ..`` for the next :meth:`flush`
-        (a copy: the caller's buffer may be reused); only the last ``window`` pending
-        positions are kept (no others can ever be read)."""
-        if features.shape[0] == 0:
-            return
-        self.pending.append((features.detach().clone(), int(start_pos)))
-        self._pending_n += features.shape[0]
-        while self._pending_n - self.pending[0][0].shape[0] >= self.window:
-            self._pending_n -= self.pending.pop(0)[0].shape[0]
-
-    def pending_items(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(features [n, F*d], positions [n]) pending, at most the last ``window``; clears them."""
-        if not self.pending:
-            return None
-        feats = torch.cat([f for f, _ in self.pending])
-        pos = torch.cat([torch.arange(p, p + f.shape[0], device=f.device) for f, p in self.pending])
-        self.pending, self._pending_n = [], 0
-        return feats[-self.window:], pos[-self.window:]
-
-    def flush(self) -> None:
-        """Project and append whatever :meth:`defer` kept (no-op when nothing is pending)."""
-        items = self.pending_items()
-        if items is not None:
-            feats, pos = items
-            self.append(self._project(feats[None], pos[None]), pos)
-
-    def _grow(self, need: int, like: torch.Tensor) -> None:
-        cap = 0 if self.pos is None else self.pos.shape[0]
-        if need <= cap:
-            return
-        new = min(self.window, max(need, 2 * cap, 64))
-        kv, hd = like.shape[0], like.shape[-1]  # like: [kv, n, hd]
-        for lst in (self.k, self.v):
-            for l in range(len(lst)):
-                t = lst[l].new_zeros(kv, new, hd)
-                t[:, :cap] = lst[l]
-                lst[l] = t
-            if not lst:
-                lst.extend(like.new_zeros(kv, new, hd) for _ in range(self.L))
-        pos = torch.full((new,), -1, dtype=torch.long, device=like.device)
-        valid = torch.zeros(new, dtype=torch.bool, device=like.device)
-        if cap:
-            pos[:cap], valid[:cap] = self.pos, self.valid
-        self.pos, self.valid = pos, valid
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], pos: torch.Tensor) -> None:
-        """Commit K/V of accepted positions: per layer (k, v) [1, kv, n, hd]; pos [n]."""
-        n = pos.shape[0]
-        if n == 0:
-            return
-        if n > self.window:  # only the last `window` positions can ever be read
-            kv = [(k[:, :, -self.window:], v[:, :, -self.window:]) for k, v in kv]
-            pos, n = pos[-self.window:], self.window
-        self._grow(min(self.window, self.written + n), kv[0][0][0])
-        cap = self.pos.shape[0]
-        idx = (self.written + torch.arange(n, device=pos.device)) % cap  # [n]
-        for l, (k, v) in enumerate(kv):
-            self.k[l][:, idx] = k[0].to(self.k[l].dtype)
-            self.v[l][:, idx] = v[0].to(self.v[l].dtype)
-        self.pos[idx] = pos
-        self.valid[idx] = True
-        self.written += n
-
-    def nbytes(self) -> int:
-        """Bytes of the K/V buffers plus the features of pending commits (nothing is projected:
-        the server reads this after every cycle)."""
-        return sum(f.numel() * f.element_size() for f, _ in self.pending) + self.kv_bytes()
-
-    def kv_bytes(self) -> int:
-        """Bytes of the K/V buffers alone."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def as_batch(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
-        """(per-layer (k, v) [1, kv, cap, hd], pos [1, cap], valid [1, cap]), pending commits
-        flushed first."""
-        self.flush()
-        return ([(k[None], v[None]) for k, v in zip(self.k, self.v)], self.pos[None], self.valid[None])
+from dspine.proposers.draft_context import DraftContextCache
 
 
 class DrafterProposer(Proposer):
     """Runs a :class:`DSpineDrafter` (DSpine or DFlash-style by its config flags)."""
 
-    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True, head_kernel: str = "auto",
-                 linears: str = "float32", vocab: torch.Tensor | None = None):
-        """``use_quantized_head``: candidates from a coarse pass over the head followed by
+    def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True,
+                 head_kernel: "str | CandidatePass" = "exact", linears: str = "float32",
+                 vocab: torch.Tensor | None = None, linears_choice=None):
+        """Nothing is measured here: the machine-dependent choices are made where an engine
+        is built (:func:`dspine.tune.drafter.measured_proposer` times them and passes them in).
+
+        ``use_quantized_head``: candidates from a coarse pass over the head followed by
         exact rescoring (DSpine's final stage, and the DFlash-style greedy argmax). False
         is the reference path: exact head over the full vocabulary. ``head_kernel``: the
-        coarse pass's kernel, ``auto`` (measured per row count on this machine and cached,
-        :mod:`dspine.tune.head`) or ``int8`` / ``bfloat16`` / ``exact``. Sampled
+        coarse pass, a :class:`~dspine.drafter.candidate_pass.CandidatePass` (e.g. measured
+        per row count, :func:`dspine.tune.head.plan_candidate_pass`) or a kernel name for
+        every row count (``exact``, ``int8``, ``bfloat16``, ``blockq``). Sampled
         DFlash-style proposals always use the dense filtered q over all V tokens (spec
-        section 10). ``linears``: the drafter's own linear layers, ``float32`` (as trained),
-        ``q8`` (a copy rounded to Q8_0 blocks on the blockq kernels; the drafter only
-        proposes, so the output stays the target's) or ``auto`` (measured,
-        :mod:`dspine.tune.drafter`). ``vocab``: a draft vocabulary [Vs] int64 of sorted
-        target ids (:mod:`dspine.drafter.vocab`): the candidate pass scores only those rows of
-        the head (tokens outside are never proposed; needs ``use_quantized_head``); None =
-        the whole vocabulary.
+        section 10). ``linears``: the drafter's own linear layers, ``float32`` (as trained)
+        or ``q8`` (a copy rounded to Q8_0 blocks on the blockq kernels, :mod:`dspine.drafter.q8`;
+        the drafter only proposes, so the output stays the target's); a drafter already
+        quantized stays so. ``vocab``: a draft vocabulary [Vs] int64 of sorted target ids
+        (:mod:`dspine.drafter.vocab`): the candidate pass scores only those rows of the head
+        (tokens outside are never proposed; needs ``use_quantized_head``; with a given
+        ``CandidatePass`` it must be the pass's own ``ids``); None = the whole vocabulary.
+        ``linears_choice``: the measurement that chose the linears (shown by ``dspine tune``).
 
         Raises:
             ValueError: unknown ``head_kernel`` (naming ``--head-kernel``) or ``linears``
-                (naming ``--drafter-linears``), or a forced ``q8`` that cannot run here.
+                (naming ``--drafter-linears``), a forced ``q8`` that cannot run here, or a
+                draft vocabulary without the coarse pass.
         """
-        from dspine.tune.drafter import plan_drafter_linears
-        from dspine.tune.head import plan_candidate_pass
-
-        drafter, self.linears_choice = plan_drafter_linears(drafter.eval(), linears)
+        drafter = forced_linears(drafter.eval(), linears)
+        self.linears_choice = linears_choice
         self.linears = "q8" if _is_q8(drafter) else "float32"
         self.drafter = drafter.eval()
         self.cfg = drafter.cfg
@@ -162,8 +62,12 @@ class DrafterProposer(Proposer):
         if vocab is not None and not use_quantized_head:
             raise ValueError("--draft-vocab: a draft vocabulary needs the coarse candidate pass "
                              "(the exact reference path scores the whole vocabulary)")
-        self.qhead = (plan_candidate_pass(drafter.head, drafter.fc.weight.dtype, head_kernel, ids=vocab)
-                      if use_quantized_head else None)
+        if not use_quantized_head:
+            self.qhead = None
+        elif isinstance(head_kernel, CandidatePass):
+            self.qhead = head_kernel
+        else:
+            self.qhead = forced_candidate_pass(drafter.head, head_kernel, ids=vocab)
         self.draft_vocab = 0 if vocab is None else int(vocab.numel())
 
     def state_nbytes(self, state) -> int:
@@ -315,7 +219,7 @@ class DrafterProposer(Proposer):
 
 
 def _is_q8(drafter) -> bool:
-    """Whether ``drafter``'s linears run on Q8_0 blocks (:func:`dspine.tune.drafter.quantize_drafter`)."""
+    """Whether ``drafter``'s linears run on Q8_0 blocks (:func:`dspine.drafter.q8.quantize_drafter`)."""
     from dspine.runtime.blockq import BlockQLinear
 
     return isinstance(drafter.fc, BlockQLinear)

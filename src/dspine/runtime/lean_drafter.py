@@ -98,7 +98,7 @@ class LeanDrafter:
 
 def block_forward(drafter):
     """The fastest block forward for one request: the drafter's :class:`LeanDrafter`
-    (attached by :func:`dspine.tune.drafter.quantize_drafter` where it runs), else
+    (attached by :func:`dspine.drafter.q8.quantize_drafter` where it runs), else
     :meth:`DSpineDrafter.forward_blocks`."""
     lean = getattr(drafter, "_lean", None)
     return lean.forward_blocks if lean is not None else drafter.forward_blocks

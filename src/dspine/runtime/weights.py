@@ -4,7 +4,7 @@
 input size is a multiple of 32 (attention, MLP and the output head; a head tied to the token
 embeddings rounds them too) to GGUF's Q8_0 blocks in place: per 32 weights a float16 scale
 ``d = max|w| / 127`` and ``q = round(w / d)`` in -127..127, stored back as the float32 ``d * q``
-(:func:`dspine.tune.drafter.q8_round`). The weights are then exact 8-bit blocks, so the
+(:func:`dspine.drafter.q8.q8_round`). The weights are then exact 8-bit blocks, so the
 ``blockq`` linear backend and the lean decode path (:mod:`dspine.runtime.blockq`,
 :mod:`dspine.runtime.lean`) can read them at ~1.1 bytes per weight instead of 4, for targets
 that were not converted from a GGUF. This changes the target: speculative decoding is then
@@ -34,7 +34,7 @@ def quantize_target(target, kind: str) -> int:
         raise ValueError(f"--target-weights {kind!r} is unknown; accepted: {', '.join(TARGET_WEIGHTS)}")
     if kind == "as-is":
         return 0
-    from dspine.tune.drafter import q8_round
+    from dspine.drafter.q8 import q8_round
 
     done, seen = 0, set()
     with torch.no_grad():

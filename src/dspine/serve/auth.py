@@ -69,7 +69,8 @@ class APIKeys:
         given, ``$DSPINE_API_KEY`` (comma-separated); None when there are none (no auth).
 
         Raises:
-            AuthError: an unreadable or malformed keys file, or a bad key.
+            AuthError: an unreadable, malformed or empty keys file (an empty one would leave
+                the server open), or a bad key.
         """
         env = os.environ if env is None else env
         out: dict[str, str | None] = {k: None for k in (keys or [])}
@@ -78,6 +79,7 @@ class APIKeys:
                 lines = Path(keys_file).read_text().splitlines()
             except OSError as e:
                 raise AuthError(f"--api-keys-file {keys_file}: cannot be read ({e.strerror or e})") from None
+            found = 0
             for i, line in enumerate(lines, 1):
                 line = line.split("#", 1)[0].strip()
                 if not line:
@@ -87,6 +89,10 @@ class APIKeys:
                     raise AuthError(f"--api-keys-file {keys_file} line {i}: expected 'KEY [TENANT]', "
                                     f"got {len(parts)} fields")
                 out[parts[0]] = parts[1] if len(parts) == 2 else None
-        if not out and env.get(ENV):
+                found += 1
+            if not found:
+                raise AuthError(f"--api-keys-file {keys_file}: holds no key (a keys file that leaves the "
+                                f"server open to every client is refused; give 'KEY [TENANT]' lines)")
+        if not out and not keys_file and env.get(ENV):
             out = {k.strip(): None for k in env[ENV].split(",") if k.strip()}
         return cls(out) if out else None

@@ -13,6 +13,7 @@ import signal
 import sys
 
 from dspine.argtypes import nonneg_float, nonneg_int, port_number, seed_int, thread_count
+from dspine.config import VERIFY_POLICIES
 
 
 def cmd_serve(args) -> int:
@@ -54,7 +55,7 @@ def cmd_serve(args) -> int:
     if args.mode == "ar" and args.verify_policy not in (None, "fixed"):
         print(f"dspine serve: note: --verify-policy {args.verify_policy} ignored: --mode ar verifies "
               f"no drafted tokens", file=sys.stderr, flush=True)
-    args.verify_policy = args.verify_policy or DEFAULT_VERIFY_POLICY
+    args.verify_policy = DEFAULT_VERIFY_POLICY if args.verify_policy is None else args.verify_policy
     from dspine.serve.auth import APIKeys
 
     api_keys = APIKeys.from_settings(args.api_key, args.api_keys_file)
@@ -122,7 +123,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=nonneg_float, default=30.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM; those still "
                         "running then get a 503")
-    p.add_argument("--verify-policy", default=None,
+    p.add_argument("--verify-policy", default=None, choices=VERIFY_POLICIES,
                    help="cost (default: one verification length per batched cycle, priced at the number "
                         "of running requests; plain batched steps when drafting does not pay) | fixed "
                         "(verify the whole block)")
@@ -156,7 +157,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="keys to accept, one 'KEY [TENANT]' per line: keys naming the same TENANT share its "
                         "output cache")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="the HTTP server's log level (default: warning)")
     p.set_defaults(func=cmd_serve)
 
 

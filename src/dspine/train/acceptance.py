@@ -27,13 +27,14 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     """
     from dspine.data.tokenizer import encode_record
     from dspine.data.sources import heldout_prompts
-    from dspine.proposers.drafter import DrafterProposer
+    from dspine.tune.drafter import measured_proposer
     from dspine.core.engine import Engine
     from dspine.proposers import make_proposer
 
     was_training = drafter.training
     drafter.eval()
-    eng = Engine(target, make_proposer(proposer, DrafterProposer(drafter, vocab=vocab), copy_bonus=copy_bonus),
+    eng = Engine(target, make_proposer(proposer, measured_proposer(drafter, linears="float32", vocab=vocab,
+                                                                  progress=False), copy_bonus=copy_bonus),
                  drafter.cfg.mode, tree=tree)
     res = {}
     for s in sets:

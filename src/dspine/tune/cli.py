@@ -40,8 +40,11 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
         if not isinstance(e, dict):
             continue
         if "curve" in e and isinstance(e["curve"], dict):
-            v = e["curve"].get("verify_s") or [0.0]
-            what = f"cost curve: plain step {v[0] * 1e3:.1f} ms, {len(v) - 1} drafted {v[-1] * 1e3:.1f} ms (verify)"
+            v = e["curve"].get("verify_s")
+            if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                what = f"cost curve: plain step {v[0] * 1e3:.1f} ms, {len(v) - 1} drafted {v[-1] * 1e3:.1f} ms (verify)"
+            else:  # a damaged entry: shown, never trusted (the next run measures it again)
+                what = "cost curve: unreadable (measured again by the next run)"
         else:
             what = str(e.get("reason") or e.get("chosen"))
         when = e.get("measured_at") or "time not recorded"
@@ -57,10 +60,13 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
 def cmd_tune(args) -> int:
     import torch
 
+    from dspine.guards import resolve_device
+
+    args.device = str(resolve_device(args.device))  # ValueError naming --device (tpu, ...) before anything runs
     if args.show:
         return show(args.device, args.json)
 
-    from dspine.build import build_engine
+    from dspine.build import build_engine, check_installed_choices, check_drafter_setting
     from dspine.config import SpeculativeConfig
     from dspine.tune.cost import measure_cost
     from dspine.tune import store
@@ -71,16 +77,23 @@ def cmd_tune(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.redo:
-        store.clear(args.device)
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    report: dict = {"machine": machine_info(args.device), "cache": str(store.path(args.device))}
-    say(f"machine: {describe(args.device)}")
-    say(f"cache:   {report['cache']}")
     config = SpeculativeConfig(target=args.target, drafter=args.drafter, mode=args.mode, dtype=args.dtype,
                                device=args.device, proposer="drafter", verify_policy="fixed", linear_backend="aten",
                                head_kernel="exact", tree_budget=0)  # each choice is measured below, in the table
-    target, eng = build_engine(config, progress=not args.json)
+    report: dict = {"machine": machine_info(args.device), "cache": str(store.path(args.device))}
+    check_installed_choices(config)  # settings refused before --redo forgets anything
+    check_drafter_setting(config)
+    before = json.loads(json.dumps(store.load(args.device)["entries"])) if args.redo else {}
+    if args.redo:
+        store.clear(args.device)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    say(f"machine: {describe(args.device)}")
+    say(f"cache:   {report['cache']}")
+    try:
+        target, eng = build_engine(config, progress=not args.json)
+    except Exception:  # a setting refused while loading (dtype, target, checkpoint): --redo forgets nothing
+        store.restore(before, args.device)
+        raise
 
     prop = eng.proposer
     from dspine.runtime.packed import apply_linear_backend, choose_linear_backend
@@ -127,7 +140,7 @@ def cmd_tune(args) -> int:
             report["drafter_linears"] = c.to_dict()
             say(f"  -> {c.chosen:<9} ({_fmt(c.times_ms)}){' [cached]' if c.cached else ''}")
         else:
-            from dspine.tune.drafter import q8_unavailable
+            from dspine.drafter.q8 import q8_unavailable
 
             report["drafter_linears"] = {"chosen": prop.linears}
             say(f"  -> {prop.linears:<9} (q8 not offered: {q8_unavailable(prop.drafter) or 'forced'})")

@@ -78,6 +78,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
         if hit is not None and not remeasure(hit):  # provisional or stale on a now quiet machine: again
             try:
                 curve = CostCurve.from_dict(hit["curve"])
+                curve.on_stale = flag_stale_curve
                 curve.meta = {**curve.meta, "cache_key": disk_key,
                               **{k: hit[k] for k in ("measured_at", "loadavg_1m", "others_cores", "spread",
                                                      "provisional", "stale") if k in hit}}
@@ -146,7 +147,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     curve = CostCurve(_interp(meas, n_max), draft_s, final_row,
                       meta={"context": context, "repeats": repeats, "measured_n": pts,
                             "device": str(target.device), "dtype": str(target.dtype)},
-                      propose_s=propose_s)
+                      propose_s=propose_s, on_stale=flag_stale_curve)
     if progress:
         import sys
 

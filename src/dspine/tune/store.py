@@ -130,6 +130,17 @@ def first_use_note(device="cpu") -> None:
               file=sys.stderr, flush=True)
 
 
+def restore(entries: dict, device="cpu") -> None:
+    """Put back ``entries`` (key -> entry, e.g. what :func:`load` held before a :func:`clear`)
+    that the cache does not hold now."""
+    with _LOCK:
+        data = load(device)
+        back = {k: v for k, v in entries.items() if k not in data["entries"]}
+        data["entries"].update(back)
+        if enabled() and back:
+            _write(data, device)
+
+
 def clear(device="cpu", prefix: str = "") -> int:
     """Forget the entries whose key starts with ``prefix`` (all by default); returns how many."""
     with _LOCK:
