@@ -47,9 +47,13 @@ def test_bad_values_name_the_field_and_value(field, value, why):
     assert e.value.field == field and why in str(e.value) and repr(value) in str(e.value)
 
 
-def test_ngram_min_above_max_is_refused():
-    with pytest.raises(ConfigError, match="ngram_min 3 must be <= ngram_max"):
+def test_ngram_min_above_max_is_refused(capsys):
+    with pytest.raises(ConfigError, match="ngram_min 3 must be <= SpeculativeConfig.ngram_max"):
         SpeculativeConfig(ngram_max=2, ngram_min=3)
+    # the command line turns every field the message names into its flag
+    assert main(["generate", "x", "--target", "random:llama", "--ngram-max", "2", "--ngram-min", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--ngram-min 3 must be <= --ngram-max (2)" in err and "SpeculativeConfig" not in err
 
 
 def test_the_command_line_adds_the_flag(capsys):

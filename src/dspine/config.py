@@ -302,9 +302,9 @@ class SpeculativeConfig:
             raise bad("seed", "must be at most 2**63 - 1")
         if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
                                             or not 2 <= self.block_size <= MAX_BLOCK_SIZE):
-            raise bad("block_size", f"must be None or an integer in 2..{MAX_BLOCK_SIZE}")
+            raise bad("block_size", f"must be an integer in 2..{MAX_BLOCK_SIZE} (or unset: the drafter's own block)")
         if self.ngram_min > self.ngram_max:
-            raise bad("ngram_min", f"must be <= ngram_max ({self.ngram_max})")
+            raise bad("ngram_min", f"must be <= SpeculativeConfig.ngram_max ({self.ngram_max})")
         if self.tree_budget > MAX_TREE_BUDGET:
             raise bad("tree_budget", f"must be at most {MAX_TREE_BUDGET}")
         if self.copy_bonus is not None and (isinstance(self.copy_bonus, bool) or not isinstance(self.copy_bonus, (int, float))

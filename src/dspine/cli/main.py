@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import fields
 
@@ -348,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
         # our errors subclass ValueError
         msg = str(e)
-        if isinstance(e, ConfigError) and e.field:  # the library names the field; the command its flag
-            msg = msg.replace(f"SpeculativeConfig.{e.field}", f"--{e.field.replace('_', '-')}")
+        if isinstance(e, ConfigError):  # the library names fields; the command its flags
+            msg = re.sub(r"SpeculativeConfig\.([a-z_]+)", lambda m: "--" + m.group(1).replace("_", "-"), msg)
         print(f"dspine: error: {msg}".splitlines()[0], file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early
