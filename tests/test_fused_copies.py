@@ -45,7 +45,7 @@ def test_inject_and_bonus():
     for bad in (-1.0, 1e39, float("nan"), "2"):  # float32 scores overflow near 3.4e38 (NaN q)
         with pytest.raises(ValueError, match="--copy-bonus"):
             HybridProposer(DrafterProposer.__new__(DrafterProposer), NgramProposer(), fuse_bonus=bad)
-    with pytest.raises(ValueError, match="--copy-bonus needs --proposer hybrid"):
+    with pytest.raises(ValueError, match="copy_bonus needs SpeculativeConfig.proposer hybrid"):
         make_proposer("ngram", None, copy_bonus=1.0)
 
 

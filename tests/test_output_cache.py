@@ -99,9 +99,9 @@ def test_memory_bound_holds_and_is_reported():
 def test_settings_refused():
     with pytest.raises(ValueError, match="--ngram-cache-tokens"):
         OutputCache(0)
-    with pytest.raises(ValueError, match="--ngram-cache-tokens"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.ngram_cache_tokens"):
         make_proposer("ngram", None, cache_tokens=-1)
-    with pytest.raises(ValueError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
+    with pytest.raises(ValueError, match="ngram_cache_tokens needs SpeculativeConfig.proposer hybrid or ngram"):
         make_proposer("drafter", NgramProposer(), cache_tokens=100)
     with pytest.raises(ValueError, match="--ngram-max"):
         NgramProposer(16, max_ngram=3, cache=OutputCache(10, 4))
@@ -120,11 +120,11 @@ def test_build_engine_refuses_cache_without_copies():
     from dspine.build import build_engine
     from dspine.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
+    with pytest.raises(ConfigError, match="ngram_cache_tokens needs SpeculativeConfig.proposer hybrid or ngram"):
         build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
                                        proposer="drafter", ngram_cache_tokens=100, verify_policy="fixed",
                                        linear_backend="aten", tree_budget=0))
-    with pytest.raises(ConfigError, match="--ngram-cache-tokens needs --proposer hybrid or ngram"):
+    with pytest.raises(ConfigError, match="ngram_cache_tokens needs SpeculativeConfig.proposer hybrid or ngram"):
         build_engine(SpeculativeConfig(target="random:llama", drafter=None, mode="ar", proposer="hybrid",
                                        ngram_cache_tokens=100, verify_policy="fixed", linear_backend="aten",
                                        tree_budget=0))
@@ -132,15 +132,15 @@ def test_build_engine_refuses_cache_without_copies():
         build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
                                        proposer="hybrid", ngram_cache_tokens=-5, verify_policy="fixed",
                                        linear_backend="aten", tree_budget=0))
-    with pytest.raises(ConfigError, match="--ngram-cache-tokens must be 0 \\(off\\) or >= 2"):
+    with pytest.raises(ConfigError, match="SpeculativeConfig.ngram_cache_tokens must be 0 \\(off\\) or >= 2"):
         build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
                                        proposer="hybrid", ngram_cache_tokens=1, verify_policy="fixed",
                                        linear_backend="aten", tree_budget=0))
-    with pytest.raises(ConfigError, match="--ngram-cache-tokens needs --ngram-max >= 2"):
+    with pytest.raises(ConfigError, match="ngram_cache_tokens needs SpeculativeConfig.ngram_max >= 2"):
         build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
                                        proposer="ngram", ngram_max=1, ngram_min=1, ngram_cache_tokens=50,
                                        verify_policy="fixed", linear_backend="aten", tree_budget=0))
-    with pytest.raises(ConfigError, match="--copy-bonus must be in 0..10000"):
+    with pytest.raises(ConfigError, match="SpeculativeConfig.copy_bonus must be in 0..10000"):
         build_engine(SpeculativeConfig(target="random:llama", drafter="random", mode="dspine",
                                        proposer="hybrid", copy_bonus=1e39, verify_policy="fixed",
                                        linear_backend="aten", tree_budget=0))

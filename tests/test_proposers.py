@@ -114,7 +114,7 @@ def test_settings_are_validated():
         NgramProposer(16, max_ngram=2, min_match=3)
     with pytest.raises(ValueError, match="--ngram-max"):
         NgramIndex(0)
-    with pytest.raises(ValueError, match="--proposer 'suffix'"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.proposer 'suffix'"):
         make_proposer("suffix", None)
     with pytest.raises(ValueError, match="needs a drafter"):
         make_proposer("hybrid", None)

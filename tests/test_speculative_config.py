@@ -83,8 +83,8 @@ def test_drafter_and_copy_settings_are_checked_before_loading(monkeypatch, tmp_p
     monkeypatch.setattr(adapter, "load_target", lambda *a, **k: pytest.fail("loaded before the check"))
     cases = [(dict(drafter=str(tmp_path / "nowhere")), "drafter", "no such checkpoint"),
              (dict(drafter=None), "drafter", "no shipped dspine drafter"),
-             (dict(proposer="drafter", ngram_cache_tokens=4096), "ngram_cache_tokens", "needs --proposer hybrid"),
-             (dict(proposer="drafter", copy_bonus=1.0), "copy_bonus", "needs --proposer hybrid")]
+             (dict(proposer="drafter", ngram_cache_tokens=4096), "ngram_cache_tokens", "needs SpeculativeConfig.proposer hybrid"),
+             (dict(proposer="drafter", copy_bonus=1.0), "copy_bonus", "needs SpeculativeConfig.proposer hybrid")]
     for kw, field, why in cases:
         with pytest.raises(ConfigError, match=why) as e:
             build_engine(SpeculativeConfig(target="random:llama", **kw))

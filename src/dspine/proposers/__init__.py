@@ -22,34 +22,41 @@ from dspine.proposers.ngram import NgramIndex, NgramProposer
 
 def check_copy_settings(name: str, mode: str = "dspine", cache_tokens: int = 0, ngram_max: int = 4,
                         copy_bonus: float | None = None) -> None:
-    """Refuse ``--ngram-cache-tokens`` / ``--copy-bonus`` settings that cannot work with
-    ``--proposer name`` and ``--mode mode`` (checked before anything is loaded).
+    """Refuse copy settings (``ngram_cache_tokens``, ``copy_bonus``) that cannot work with
+    proposer ``name`` and ``mode`` (checked before anything is loaded). Messages name the
+    :class:`~dspine.config.SpeculativeConfig` fields; the command line shows its flags.
 
     Raises:
-        ConfigError: naming the setting and its field (unknown proposer, a cache below its minimum, without
-            copies or with ``--ngram-max`` < 2, a copy bonus out of range or without the hybrid).
+        ConfigError: with the field at fault: an unknown proposer, a cache below its minimum,
+            without copies or with ``ngram_max`` < 2, a copy bonus out of range or without
+            the hybrid.
     """
+    F = "SpeculativeConfig."
     if name not in PROPOSERS:
-        raise ConfigError(f"--proposer {name!r} is unknown; accepted: {', '.join(PROPOSERS)}", field="proposer")
+        raise ConfigError(f"{F}proposer {name!r} is unknown; accepted: {', '.join(PROPOSERS)}", field="proposer")
     if cache_tokens < 0:
-        raise ConfigError(f"--ngram-cache-tokens must be >= 0 (0 = no cache), got {cache_tokens}", field="ngram_cache_tokens")
+        raise ConfigError(f"{F}ngram_cache_tokens must be >= 0 (0 = no cache), got {cache_tokens}",
+                          field="ngram_cache_tokens")
     if cache_tokens:
         if mode == "ar" or name == "drafter":
-            raise ConfigError(f"--ngram-cache-tokens needs --proposer hybrid or ngram (copies); "
-                             f"{'--mode ar' if mode == 'ar' else '--proposer drafter'} makes none", field="ngram_cache_tokens")
+            none = f"{F}mode ar" if mode == "ar" else f"{F}proposer drafter"
+            raise ConfigError(f"{F}ngram_cache_tokens needs {F}proposer hybrid or ngram (copies); {none} makes none",
+                              field="ngram_cache_tokens")
         if cache_tokens < MIN_TOKENS:
-            raise ConfigError(f"--ngram-cache-tokens must be 0 (off) or >= {MIN_TOKENS}, got {cache_tokens}", field="ngram_cache_tokens")
+            raise ConfigError(f"{F}ngram_cache_tokens must be 0 (off) or >= {MIN_TOKENS}, got {cache_tokens}",
+                              field="ngram_cache_tokens")
         if ngram_max < 2:
-            raise ConfigError(f"--ngram-cache-tokens needs --ngram-max >= 2 (the cache proposes on matches of 2+ "
-                             f"tokens), got --ngram-max {ngram_max}", field="ngram_cache_tokens")
+            raise ConfigError(f"{F}ngram_cache_tokens needs {F}ngram_max >= 2 (the cache proposes on matches of "
+                              f"2+ tokens), got {F}ngram_max {ngram_max}", field="ngram_cache_tokens")
     if copy_bonus is not None:
         if not isinstance(copy_bonus, (int, float)) or isinstance(copy_bonus, bool) \
                 or not 0 <= copy_bonus <= MAX_COPY_BONUS:
-            raise ConfigError(f"--copy-bonus must be in 0..{MAX_COPY_BONUS:g} (a score bonus; float32 scores "
-                             f"overflow far above that), got {copy_bonus!r}", field="copy_bonus")
+            raise ConfigError(f"{F}copy_bonus must be in 0..{MAX_COPY_BONUS:g} (a score bonus; float32 scores "
+                              f"overflow far above that), got {copy_bonus!r}", field="copy_bonus")
         if mode == "ar" or name != "hybrid":
-            raise ConfigError(f"--copy-bonus needs --proposer hybrid (it fuses copies into the drafter's chain); "
-                             f"{'--mode ar' if mode == 'ar' else '--proposer ' + name} has none", field="copy_bonus")
+            none = f"{F}mode ar" if mode == "ar" else f"{F}proposer {name}"
+            raise ConfigError(f"{F}copy_bonus needs {F}proposer hybrid (it fuses copies into the drafter's chain); "
+                              f"{none} has none", field="copy_bonus")
 
 
 def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngram_max: int = 4,
