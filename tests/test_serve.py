@@ -456,7 +456,7 @@ def test_cli_serve_subprocess_graceful_sigterm():
     assert bad.returncode == 2 and "--max-running" in bad.stderr
     bad = subprocess.run([sys.executable, "-m", "dspine.cli", "serve", "--target", MODEL, "--verify-policy", "greedy",
                           "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
-    assert bad.returncode == 2 and "--verify-policy 'greedy' is unknown" in bad.stderr
+    assert bad.returncode == 2 and "--verify-policy: invalid choice: 'greedy'" in bad.stderr
     proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "serve", "--target", MODEL, "--mode", "ar",
                              "--port", "0", "--threads", "1", "--max-running", "2", "--shutdown-timeout", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
