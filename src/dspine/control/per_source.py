@@ -8,7 +8,6 @@ tokens per second (:meth:`PerSourcePolicy.pick`). Non-anticipating like its part
 """
 from __future__ import annotations
 
-from dspine.control.batch_policy import BatchCostPolicy
 from dspine.control.cost_curve import CostCurve
 from dspine.control.policy import CostModelPolicy
 from dspine.control.priced import PricedController
@@ -35,7 +34,6 @@ class PerSourcePolicy(PricedController):
         if default not in policies:
             raise ValueError(f"PerSourcePolicy default {default!r} is not among {sorted(policies)}")
         self.policies, self.default = dict(policies), default
-        self._batch = None  # BatchCostPolicy of batch_pricing
 
     @property
     def profile_key(self) -> str | None:
@@ -72,12 +70,10 @@ class PerSourcePolicy(PricedController):
         e = pol.expected_tokens(pol.confidence(st.stats, n_max))
         return max((e[n] / c for n in range(1, n_max + 1) if (c := pol.cycle_cost(n)) > 0), default=0.0)
 
-    def batch_pricing(self, max_batch: int):
-        """The batch pricing of :meth:`CostModelPolicy.batch_pricing` over the default
-        (drafter's) curve, each request priced with its source's statistics."""
-        if self._batch is None or self._batch.max_batch != max_batch:
-            self._batch = BatchCostPolicy(self.policies[self.default], max_batch, sources=self.policies)
-        return self._batch
+    def pricing_parts(self) -> tuple:
+        """A batched forward is priced with the default (drafter's) curve, each request with
+        its source's statistics."""
+        return self.policies[self.default], self.policies
 
     def picker(self, req):
         """``pick(plans) -> plan`` for ``req``: :meth:`pick` (the controller chooses the source)."""

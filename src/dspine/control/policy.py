@@ -46,11 +46,11 @@ from __future__ import annotations
 import math
 import statistics
 
-from dspine.control.batch_policy import BatchCostPolicy
 from dspine.control.cost_curve import CostCurve
 from dspine.control.estimator import (EXPLORE_COST_RATIO, AcceptanceStats, DecayedCells, DecisionLog,
                                       best_rate, decay_factor, expected_tokens, explore_length)
 from dspine.control.priced import PricedController
+
 
 class _RequestState:
     __slots__ = ("stats", "seen", "last_explore")
@@ -130,7 +130,6 @@ class CostModelPolicy(PricedController):
         self.depth_prior = bool(depth_prior)
         self._ratios: list[float] = []  # observed / measured of the last STALE_CYCLES judged cycles
         self.stale_ratio: float | None = None  # set once the curve was found stale
-        self._batch = None  # BatchCostPolicy of batch_pricing
 
     # cycle cost ----------------------------------------------------------------------------
     def observe(self, n: int, seconds: float) -> None:
@@ -276,13 +275,9 @@ class CostModelPolicy(PricedController):
         ratio = self.cycle_cost(explored) / c if c > 0 else 1.0
         return max(self.explore_every, math.ceil(self.explore_every * max(1.0, ratio)))
 
-    def batch_pricing(self, max_batch: int):
-        """One verification length per batched cycle of at most ``max_batch`` requests,
-        priced with this policy's statistics and curve (:class:`BatchCostPolicy`, kept
-        while ``max_batch`` stays the same)."""
-        if self._batch is None or self._batch.max_batch != max_batch:
-            self._batch = BatchCostPolicy(self, max_batch)
-        return self._batch
+    def pricing_parts(self) -> tuple:
+        """A batch is priced with this policy's curve and statistics alone."""
+        return self, None
 
     def __call__(self, req, n_max: int) -> int:
         st = self._state(req)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from dspine.control.base import Controller
+from dspine.control.batch_policy import BatchCostPolicy
 from dspine.control.tree_gate import TreeGate
 from dspine.control.tree_sizer import TreeSizer
 
@@ -31,6 +32,21 @@ class PricedController(Controller):
 
     sizer: TreeSizer | None = None
     gate: TreeGate | None = None
+    _batch: BatchCostPolicy | None = None  # of batch_pricing
+
+    def pricing_parts(self) -> tuple:
+        """(the cost policy whose curve prices a batched forward, per source the policy whose
+        statistics price a request of that source, or None)."""
+        raise NotImplementedError
+
+    def batch_pricing(self, max_batch: int) -> BatchCostPolicy:
+        """One verification length per batched cycle of at most ``max_batch`` requests
+        (:class:`BatchCostPolicy` over :meth:`pricing_parts`, kept while ``max_batch`` stays
+        the same, so what it learned carries over between cycles)."""
+        if self._batch is None or self._batch.max_batch != max_batch:
+            policy, sources = self.pricing_parts()
+            self._batch = BatchCostPolicy(policy, max_batch, sources=sources)
+        return self._batch
 
     def bind_trees(self, spec) -> None:
         """Size and gate trees when ``spec`` asks for ``size == "cost"`` trees; once (a

@@ -55,7 +55,7 @@ class DrafterProposer(Proposer):
         drafter = forced_linears(drafter.eval(), linears)
         self.linears_choice = linears_choice
         self.linears = "q8" if _is_q8(drafter) else "float32"
-        self.drafter = drafter.eval()
+        self.drafter = drafter
         self.cfg = drafter.cfg
         self.block_size = self.cfg.block_size
         self.feature_layers = list(self.cfg.feature_layers)

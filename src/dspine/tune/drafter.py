@@ -86,9 +86,6 @@ def measured_proposer(drafter, *, head_kernel: str = "auto", linears: str = "aut
     from dspine.tune.head import plan_candidate_pass
 
     planned, choice = plan_drafter_linears(drafter.eval(), linears, progress=progress)
-    if vocab is not None and not use_quantized_head:
-        raise ValueError("--draft-vocab: a draft vocabulary needs the coarse candidate pass "
-                         "(the exact reference path scores the whole vocabulary)")
     cp = (plan_candidate_pass(planned.head, planned.fc.weight.dtype, head_kernel, ids=vocab, progress=progress)
           if use_quantized_head else None)
-    return DrafterProposer(planned, use_quantized_head, cp, vocab=vocab, linears_choice=choice)
+    return DrafterProposer(planned, use_quantized_head, cp, vocab=vocab, linears_choice=choice)  # checks vocab
