@@ -498,15 +498,18 @@ def test_bad_tune_and_thread_settings(capsys, argv, needle):
 
 
 def test_data_build_auto_dtype(tmp_path, tiny256):
-    """--dtype auto (the default) measures on a fresh --out and keeps the manifest's on --resume."""
+    """--dtype auto (the default) is float32 on a fresh --out (the dtype dspine decodes the
+    target in: the rows are its greedy answers), and the manifest's dtype on --resume."""
     from dspine.data import build as B
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(3)))
     out = tmp_path / "d"
     man = B.build_dataset("random:llama", [str(src)], out, max_new_tokens=4, batch_size=2, dtype="auto",
                           progress=False)
-    first = man["sampling"]["dtype"]
-    assert first in ("float32", "bfloat16")
-    man = B.build_dataset("random:llama", [str(src)], out, max_new_tokens=4, batch_size=2, dtype="auto",
+    assert man["sampling"]["dtype"] == "float32"
+    bf = tmp_path / "bf"
+    B.build_dataset("random:llama", [str(src)], bf, max_new_tokens=4, batch_size=2, dtype="bfloat16",
+                    progress=False, max_prompts=1)
+    man = B.build_dataset("random:llama", [str(src)], bf, max_new_tokens=4, batch_size=2, dtype="auto",
                           progress=False, resume=True)
-    assert man["sampling"]["dtype"] == first
+    assert man["sampling"]["dtype"] == "bfloat16"

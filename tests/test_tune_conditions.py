@@ -128,6 +128,26 @@ def test_tune_show_lists_conditions(load, capsys):
     assert shown["entries"]["t:show"]["provisional"] is True
 
 
+def test_tune_show_an_acceptance_profile_is_not_an_untrusted_timing(load, capsys):
+    """A saved acceptance profile is listed with its row acceptance and when it was saved,
+    never as an untrusted measurement; a damaged one says so (negative control)."""
+    from dspine.cli.main import main
+    from dspine.tune.controller import save_profile
+
+    class _Pol:  # what CostModelPolicy.profile() returns
+        def profile(self):
+            return {"risk": [10.0, 4.0], "acc": [4.0, 1.0], "obs_sum": [0.1, 0.2], "obs_w": [1.0, 1.0]}
+
+    save_profile(_Pol(), "profile:test")
+    store.put("profile:broken", {"risk": "x"})
+    assert main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    shown = out[out.index("profile:test"):].split("\n\n")[0]
+    assert "row acceptance 0.40, 0.25" in shown and "saved 20" in shown and "NOT TRUSTED" not in shown
+    broken = out[out.index("profile:broken"):].split("\n\n")[0]
+    assert "unreadable" in broken and "NOT TRUSTED" not in broken
+
+
 @pytest.mark.slow  # long CLI / subprocess run; the default suite stays under ~15 min on 2 cores
 def test_first_run_says_what_it_does_and_json_stays_clean(tmp_path):
     """A fresh DSPINE_HOME (tuning on, kernels shared with the usual home so none is rebuilt):

@@ -23,9 +23,10 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="prompts generated together (default: 32 with --generator hf, 8 with engine)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="target dtype while generating; auto: the faster of float32 / bfloat16 measured "
-                        "on this machine (cached; `dspine tune`), or the dtype of the rows already "
-                        "in --out when resuming")
+                   help="target dtype while generating; auto: float32 (the dtype dspine decodes the "
+                        "target in, so the rows are its greedy answers), or the dtype of the rows "
+                        "already in --out when resuming; bfloat16 is faster on some CPUs but changes "
+                        "greedy answers")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
     p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: all)")
     p.add_argument("--resume", action="store_true", help="continue a directory, skipping done ids")

@@ -19,6 +19,16 @@ def _fmt(times: dict) -> str:
     return ", ".join(f"{k} {f'{v:.2f} ms' if isinstance(v, (int, float)) else 'failed'}" for k, v in times.items())
 
 
+def _profile_line(e: dict) -> str:
+    """One line for a saved acceptance profile (:func:`dspine.tune.controller.save_profile`)."""
+    try:
+        risk, acc = [float(x) for x in e["risk"]], [float(x) for x in e["acc"]]
+        rows = ", ".join(f"{a / r:.2f}" for a, r in zip(acc[:4], risk[:4]) if r > 0)
+        return f"acceptance profile: {risk[0]:.1f} drafted cycles pooled (decayed); row acceptance {rows or '-'}"
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "acceptance profile: unreadable (ignored; the next run learns a new one)"
+
+
 def show(device: str = "cpu", as_json: bool = False) -> int:
     """``dspine tune --show``: what this machine's cache holds, measured when and under what
     load, and which entries are provisional or stale (re-measured by the next quiet run).
@@ -45,6 +55,11 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
                 what = f"cost curve: plain step {v[0] * 1e3:.1f} ms, {len(v) - 1} drafted {v[-1] * 1e3:.1f} ms (verify)"
             else:  # a damaged entry: shown, never trusted (the next run measures it again)
                 what = "cost curve: unreadable (measured again by the next run)"
+        elif key.startswith("profile:"):  # what the cost policy learned: acceptance, not a timing
+            print(f"\n{key}\n  {_profile_line(e)}\n  saved {e.get('saved_at') or '(time not recorded)'}, load "
+                  f"average {e.get('loadavg_1m', '?')} (acceptance does not depend on load; the few cycle "
+                  f"costs it holds are relearned within a request)")
+            continue
         else:
             what = str(e.get("reason") or e.get("chosen"))
         when = e.get("measured_at") or "time not recorded"
