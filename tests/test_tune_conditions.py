@@ -54,6 +54,32 @@ def test_a_measurement_under_load_is_provisional_and_redone_when_quiet(load):
     assert cached_choice("t:old", ["a"]) is None
 
 
+def test_a_measured_setting_is_cached_and_redone_when_provisional_or_refused(load):
+    """cached_measurement (the row counts of the blockq kernels and the lean path): measured
+    once, then read from the cache; an entry measured under load is redone on a quiet run;
+    a cached value the caller no longer accepts is measured again."""
+    from dspine.tune.choose import cached_measurement
+
+    calls = []
+
+    def measure(v):
+        calls.append(v)
+        return v
+
+    load["cores"] = 1.4
+    assert cached_measurement("t:rows", lambda: measure(17), valid=lambda v: v in (4, 17, 32)) == 17
+    assert store.get("t:rows")["provisional"] and store.get("t:rows")["value"] == 17
+    assert cached_measurement("t:rows", lambda: measure(4), valid=lambda v: v in (4, 17, 32)) == 17  # busy: kept
+    load["cores"] = 0.0
+    assert cached_measurement("t:rows", lambda: measure(32), valid=lambda v: v in (4, 17, 32)) == 32  # redone
+    assert cached_measurement("t:rows", lambda: measure(4), valid=lambda v: v in (4, 17, 32)) == 32  # trusted
+    assert calls == [17, 32]
+    assert cached_measurement("t:rows", lambda: measure(8), valid=lambda v: v in (8, 16)) == 8  # refused: redone
+    store.put("t:bad", {"value": "32", **QUIET})  # damaged: measured again
+    assert cached_measurement("t:bad", lambda: measure(4), valid=lambda v: True) == 4
+    assert calls == [17, 32, 8, 4]
+
+
 def test_disagreeing_rounds_are_measured_again_then_provisional(load):
     calls = []
 

@@ -230,7 +230,8 @@ def choose_rows(model: nn.Module, sizes: tuple[int, ...] = (MAX_ROWS, 17, 4), re
     kernels than on the inner layers (oneDNN on packed float32 weights), measured here with
     the weights streaming from memory as in a real forward (best of ``repeats``; ~0.3-1 s on
     2 cores). A one-token step always takes the kernels. Where oneDNN's GEMM is faster (more
-    cores, AVX-512), verifications stay on it."""
+    cores, AVX-512), verifications stay on it. Measures every time it is called:
+    :func:`dspine.runtime.packed.set_linear_backend` caches its result per machine."""
     import time
 
     layers = [m for m in model.modules() if isinstance(m, BlockQLinear)]

@@ -157,7 +157,9 @@ def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8),
     """Set (and return) the most rows ``plan`` takes: the largest of ``sizes`` at which a
     whole forward on the lean path ran no slower than on the Python path (whose linears
     take the kernels up to their own limit and oneDNN beyond), else that limit. Measured
-    once per model, here (best of ``repeats``, ~1 s on 2 cores); cached on the model.
+    once per machine and model shape (best of ``repeats``, ~1 s on 2 cores) and cached in
+    the tune store with its conditions (:func:`dspine.tune.choose.cached_measurement`; a
+    provisional entry is measured again on a quiet run), and on the model.
 
     ``timer(path, rows) -> seconds`` replaces the measurement (tests).
     """
@@ -184,17 +186,32 @@ def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8),
                 cache.rollback(context)
         return best
 
-    timer = timer or measure
-    rows = None
-    try:
-        for r in sorted(sizes, reverse=True):
-            if r <= plan.first.rows:
-                break
-            if timer("lean", r) <= timer("python", r):
-                rows = r
-                break
-    finally:
-        plan.max_rows = rows
+    def largest() -> int:  # 0: none of ``sizes`` (the limit of the plan's first layer then)
+        rows = None
+        try:
+            for r in sorted(sizes, reverse=True):
+                if r <= plan.first.rows:
+                    break
+                if (timer or measure)("lean", r) <= (timer or measure)("python", r):
+                    rows = r
+                    break
+        finally:
+            plan.max_rows = rows
+        return rows or 0
+
+    if timer is None:  # measured once per machine and model shape (cached with its conditions)
+        from dspine.runtime.blockq import source_version
+        from dspine.tune.choose import cached_measurement
+
+        cfg = model.config
+        shape = ",".join(f"{k}={getattr(cfg, a, '?')}" for k, a in (
+            ("V", "vocab_size"), ("h", "hidden_size"), ("ffn", "intermediate_size"), ("layers", "num_hidden_layers")))
+        best = cached_measurement(
+            f"lean-rows:{shape},sizes={'/'.join(map(str, sizes))},first={plan.first.rows},kernels={source_version()}",
+            largest, valid=lambda v: v == 0 or v in sizes, what="how many rows the lean decode path takes")
+    else:
+        best = largest()
+    plan.max_rows = best or None
     model._dspine_lean_rows = plan.rows
     plan.max_rows = plan.rows
     return plan.rows

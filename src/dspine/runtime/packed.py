@@ -164,12 +164,20 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
             raise ValueError("--linear-backend blockq: no linear layer of this target holds exact Q4_1/Q8_0 "
                              "blocks (only targets converted from such a GGUF do); use another backend")
         rows = getattr(model, "_dspine_blockq_rows", None)
-        if rows is None:  # how many rows the kernels take here (more go to oneDNN): measured once per model
-            model._dspine_blockq_rows = choose_rows(model)
-        else:
-            for m in model.modules():
-                if isinstance(m, BlockQLinear):
-                    m.rows = rows
+        if rows is None:  # how many rows the kernels take here (more go to oneDNN): measured once per machine
+            from dspine.runtime.blockq import source_version
+            from dspine.tune.choose import cached_measurement
+
+            cfg = getattr(model, "config", None)
+            shape = ",".join(f"{k}={getattr(cfg, a, '?')}" for k, a in (
+                ("V", "vocab_size"), ("h", "hidden_size"), ("ffn", "intermediate_size"), ("layers", "num_hidden_layers")))
+            key = f"blockq-rows:{shape},max={MAX_ROWS},kernels={source_version()}"
+            rows = model._dspine_blockq_rows = cached_measurement(
+                key, lambda: choose_rows(model), valid=lambda v: 0 <= v <= MAX_ROWS,
+                what="how many rows the blockq kernels take in the target's linears")
+        for m in model.modules():
+            if isinstance(m, BlockQLinear):
+                m.rows = rows
 
 
 def available_backends(target, blockq: bool = True, progress: bool = True) -> tuple[str, ...]:

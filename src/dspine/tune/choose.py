@@ -158,3 +158,33 @@ def _measure_all(key, alternatives, repeats, cutoff, timer, rounds) -> tuple[Cho
     reason = f"{chosen} {ok[chosen]:.2f} ms" + (
         "; " + ", ".join(f"{n} {r:.1f}x slower" for r, n in others) if others else "")
     return Choice(key, chosen, times, reason, False, errors), spread_of(per_round[chosen]), meter
+
+
+def cached_measurement(key: str, measure_fn: Callable[[], int], *, valid: Callable[[object], bool],
+                       device="cpu", redo: bool = False, progress: bool = False, what: str = "") -> int:
+    """A measured integer setting of this machine (e.g. how many rows a kernel takes),
+    cached under ``key`` with the conditions it was measured under, like a :class:`Choice`:
+    ``measure_fn()`` runs only when nothing usable is cached (none, damaged, ``valid``
+    refuses it, or provisional/stale while the machine is quiet now) or with ``redo``.
+    Returns the value.
+
+    Raises:
+        whatever ``measure_fn`` raises (nothing is cached then).
+    """
+    if not redo:
+        hit = store.get(key, device)
+        if hit is not None and not remeasure(hit) and isinstance(hit.get("value"), int) \
+                and not isinstance(hit.get("value"), bool) and valid(hit["value"]):
+            return hit["value"]
+    if progress:
+        store.first_use_note(device)
+        print(f"dspine: measuring {what or key} on this machine (once; cached) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with LoadMeter() as meter:
+        value = int(measure_fn())
+    cond = conditions(meter, None)
+    if progress:
+        print(f"dspine: ... {value} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    store.put(key, {"value": value, "reason": f"{what or key}: {value}", **cond}, device)
+    return value
+
