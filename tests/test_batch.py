@@ -144,9 +144,9 @@ def test_sequential_fallback(target, prompts, ref_greedy, spec):
 
 
 def test_max_running_guard(spec):
-    with pytest.raises(EngineError, match="--max-running"):
+    with pytest.raises(EngineError, match="max_running"):
         BatchEngine(spec, 9)
-    with pytest.raises(EngineError, match="--max-running"):
+    with pytest.raises(EngineError, match="max_running"):
         BatchEngine(spec, 0)
 
 

@@ -129,7 +129,7 @@ def test_blockq_linear_falls_back_beyond_its_rows_and_keeps_bias():
 # -- the backend on targets -------------------------------------------------------------------------
 def test_blockq_is_offered_only_for_block_exact_targets(tiny256, monkeypatch):
     assert "blockq" not in available_backends(tiny256)  # random float32 weights: no blocks
-    with pytest.raises(ValueError, match="--linear-backend blockq: no linear layer"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.linear_backend blockq: no linear layer"):
         set_linear_backend(tiny256.model, "blockq")
     assert not any(isinstance(m, B.BlockQLinear) for m in tiny256.model.modules())
     monkeypatch.setattr(B, "_STATE", {"mod": None, "why": "no C++ compiler"})

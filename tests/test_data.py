@@ -349,7 +349,7 @@ def test_time_limit_stops_between_batches_and_the_build_resumes(tiny, tmp_path, 
     assert man["complete"] and man["counts"]["prompts"] == 6
     with pytest.raises(ValueError, match="--time-limit"):
         B.build_dataset(tiny, [src], tmp_path / "other", progress=False, time_limit=0)
-    with pytest.raises(ValueError, match="--device"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.device 'tpu'"):
         B.build_dataset(tiny, [src], tmp_path / "other2", progress=False, device="tpu")
 
 

@@ -83,9 +83,9 @@ def test_refusals_name_the_setting():
     hyb = load_target("random:qwen3_5")
     assert runtime_support(hyb.model) is not None
     assert resolve_runtime(hyb, "auto") == "hf"
-    with pytest.raises(ValueError, match="--runtime dense cannot run this target"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.runtime dense cannot run this target"):
         resolve_runtime(hyb, "dense")
-    with pytest.raises(ValueError, match="--runtime 'fast' is unknown"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.runtime 'fast' is unknown"):
         resolve_runtime(hyb, "fast")
     sw = load_target("random:qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert "sliding" in (runtime_support(sw.model) or "")

@@ -45,9 +45,9 @@ def test_files_round_trip_and_bad_ones_are_refused(tmp_path):
         load_draft_vocab(tmp_path, 10, 5)
     with pytest.raises(DraftVocabError, match="outside the drafter's vocabulary"):
         load_draft_vocab(tmp_path, 9, 2)
-    with pytest.raises(DraftVocabError, match="--draft-vocab 'half' is unknown"):
+    with pytest.raises(DraftVocabError, match="SpeculativeConfig.draft_vocab 'half' is unknown"):
         resolve("half", tmp_path, 10, 2)
-    with pytest.raises(DraftVocabError, match="--draft-vocab subset: .* has no draft_vocab.json"):
+    with pytest.raises(DraftVocabError, match="SpeculativeConfig.draft_vocab subset: .* has no draft_vocab.json"):
         resolve("subset", tmp_path / "nothing", 10, 2)
     assert resolve("auto", tmp_path / "nothing", 10, 2) is None
     for body, why in (("{", "damaged"), ('{"ids": [1, 1, 2]}', "repeated ids"), ('{"ids": "12"}', "damaged"),
@@ -72,7 +72,7 @@ def test_candidates_come_from_the_subset_and_map_back_to_target_ids(tiny256):
     masked = exact_scores.clone()
     masked[:, :128] = -float("inf")
     assert torch.equal(got.sort(dim=1).values, torch.topk(masked, 16, dim=1).indices.sort(dim=1).values)
-    with pytest.raises(ValueError, match="--draft-vocab"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.draft_vocab"):
         DrafterProposer(d, use_quantized_head=False, vocab=upper)
 
 

@@ -43,7 +43,7 @@ def test_inject_and_bonus():
     want[2, 2, 2] = 2.5
     assert torch.equal(T2, want) and not T.any()
     for bad in (-1.0, 1e39, float("nan"), "2"):  # float32 scores overflow near 3.4e38 (NaN q)
-        with pytest.raises(ValueError, match="--copy-bonus"):
+        with pytest.raises(ValueError, match="SpeculativeConfig.copy_bonus"):
             HybridProposer(DrafterProposer.__new__(DrafterProposer), NgramProposer(), fuse_bonus=bad)
     with pytest.raises(ValueError, match="copy_bonus needs SpeculativeConfig.proposer hybrid"):
         make_proposer("ngram", None, copy_bonus=1.0)

@@ -50,7 +50,7 @@ def test_valid_configuration_passes(tgt, cfg):
 
 @pytest.mark.parametrize("dtype", ["float16", torch.float16, torch.float64, "float8_e4m3fn", "int8"])
 def test_drafter_dtype_refused(dtype, tgt, cfg):
-    with pytest.raises(GuardError, match=r"--dtype .*not validated; accepted: float32, bfloat16"):
+    with pytest.raises(GuardError, match=r"SpeculativeConfig.dtype .*not validated; accepted: float32, bfloat16"):
         validate_runtime(tgt, cfg, dtype=dtype)
     with pytest.raises(GuardError, match="accepted: float32, bfloat16"):
         check_dtype(dtype)
@@ -58,7 +58,7 @@ def test_drafter_dtype_refused(dtype, tgt, cfg):
 
 @pytest.mark.parametrize("device", ["mps", "xla", "meta", "tpu0", "cpux"])
 def test_device_refused(device):
-    with pytest.raises(GuardError, match=r"--device .*accepted: cpu, cuda"):
+    with pytest.raises(GuardError, match=r"SpeculativeConfig.device .*accepted: cpu, cuda"):
         validate_runtime(None, None, device=device)
 
 
@@ -67,7 +67,7 @@ def test_cuda_refused_when_unavailable():
         check_device("cuda")
         check_device("cuda:0")
         return
-    with pytest.raises(GuardError, match="--device 'cuda': CUDA is not available"):
+    with pytest.raises(GuardError, match="SpeculativeConfig.device 'cuda': CUDA is not available"):
         check_device("cuda")
 
 
@@ -85,7 +85,7 @@ def test_concurrency_accepted():
 def test_block_size_must_match_checkpoint(cfg):
     check_block_size(cfg.block_size, cfg)
     check_block_size(None, cfg)
-    with pytest.raises(GuardError, match=r"--block-size 8 differs from the drafter's block size 16; accepted: 16"):
+    with pytest.raises(GuardError, match=r"SpeculativeConfig.block_size 8 differs from the drafter's block size 16; accepted: 16"):
         validate_runtime(None, cfg, block_size=8)
 
 

@@ -312,5 +312,5 @@ def test_tree_budget_adds_one_verification_of_buffers():
                          + 32 * (256 + 32) * (1 + 4 * heads))  # mask + one layer's scores
     assert rep.total("dspine") == base.total("dspine") + row.bytes
     assert not any(r.key == "tree_verify" for r in base.rows)
-    with pytest.raises(ValueError, match="--tree-budget"):
+    with pytest.raises(ValueError, match="tree_budget must be >= 0"):
         estimate(cfg, spec, tree_budget=-1)

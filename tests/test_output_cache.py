@@ -97,18 +97,18 @@ def test_memory_bound_holds_and_is_reported():
 
 
 def test_settings_refused():
-    with pytest.raises(ValueError, match="--ngram-cache-tokens"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.ngram_cache_tokens"):
         OutputCache(0)
     with pytest.raises(ValueError, match="SpeculativeConfig.ngram_cache_tokens"):
         make_proposer("ngram", None, cache_tokens=-1)
     with pytest.raises(ValueError, match="ngram_cache_tokens needs SpeculativeConfig.proposer hybrid or ngram"):
         make_proposer("drafter", NgramProposer(), cache_tokens=100)
-    with pytest.raises(ValueError, match="--ngram-max"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.ngram_max"):
         NgramProposer(16, max_ngram=3, cache=OutputCache(10, 4))
     for bad in (1, 2.5, float("nan"), "10"):  # an entry needs 2 tokens; no silent truncation
-        with pytest.raises(ValueError, match="--ngram-cache-tokens"):
+        with pytest.raises(ValueError, match="SpeculativeConfig.ngram_cache_tokens"):
             OutputCache(bad)
-    with pytest.raises(ValueError, match="--ngram-max in 2..16"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.ngram_max in 2..16"):
         OutputCache(100, max_ngram=1)
     with pytest.raises(ValueError, match="token ids"):
         OutputCache(100).add("t", [1, 2, "3"])

@@ -208,7 +208,7 @@ def test_fixed_policy():
     with pytest.raises(ValueError):
         FixedPolicy(-1)
     assert POLICIES == ("fixed", "cost")
-    with pytest.raises(ValueError, match="--verify-policy 'greedy' is unknown; accepted: fixed, cost"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.verify_policy 'greedy' is unknown; accepted: fixed, cost"):
         make_policy("greedy")
 
 

@@ -110,9 +110,9 @@ def test_ngram_index_rollback_and_gap():
 
 
 def test_settings_are_validated():
-    with pytest.raises(ValueError, match="--ngram-min"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.ngram_min"):
         NgramProposer(16, max_ngram=2, min_match=3)
-    with pytest.raises(ValueError, match="--ngram-max"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.ngram_max"):
         NgramIndex(0)
     with pytest.raises(ValueError, match="SpeculativeConfig.proposer 'suffix'"):
         make_proposer("suffix", None)

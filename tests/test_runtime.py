@@ -49,7 +49,8 @@ def test_packed_linear_matches_linear(dtype, tol, shape):
     try:
         pack_linears(holder)
     except ValueError as e:  # bf16 on a CPU without AVX-512 / AVX-NE-CONVERT: a clear refusal
-        assert dtype == torch.bfloat16 and "--linear-backend onednn" in str(e) and "use aten" in str(e)
+        assert dtype == torch.bfloat16 and "SpeculativeConfig.linear_backend onednn" in str(e) \
+            and "use SpeculativeConfig.linear_backend='aten'" in str(e)
         assert type(holder[0]) is nn.Linear  # nothing left half-packed
         return
     p = holder[0]
@@ -113,7 +114,7 @@ def test_mixed_linear_matches_linear(rows):
     assert not holder[0].one_row_aten and holder[0].weight.is_contiguous()
     set_linear_backend(holder, "aten")
     assert type(holder[0]) is nn.Linear and holder[0].weight.is_contiguous()
-    with pytest.raises(ValueError, match="--linear-backend 'fast'"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.linear_backend 'fast'"):
         set_linear_backend(holder, "fast")
 
 
@@ -131,7 +132,7 @@ def test_backend_choice_follows_measurement_and_restores_aten(tiny256):
     assert c.chosen == "mixed" and not is_packed(tiny256.model) and not model_is_column_major(tiny256.model)
     c = choose_linear_backend(tiny256, redo=True, progress=False, timer=timer(dict(ms, aten=2.0)))
     assert c.chosen == "aten"
-    with pytest.raises(ValueError, match="--linear-backend 'mkl'"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.linear_backend 'mkl'"):
         apply_linear_backend(tiny256, "mkl")
 
 

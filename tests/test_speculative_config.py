@@ -118,3 +118,42 @@ def test_serve_refuses_an_empty_verify_policy(capsys):
     assert main(["serve", "--verify-policy", ""]) == 2  # it meant `cost` silently before
     assert "--verify-policy: invalid choice: ''" in capsys.readouterr().err
 
+
+
+def test_library_errors_name_the_field_and_the_command_line_its_flag(tiny256, capsys):
+    """Engine modules name SpeculativeConfig fields (never a flag); every command's error
+    path turns them into flags with one helper (dspine.cli.main.flag_message)."""
+    from dspine.cli.main import flag_message
+    from dspine.proposers import NgramIndex, NgramProposer, OutputCache
+    from dspine.runtime.packed import apply_linear_backend
+    from dspine.trees.tree import TreeSpec, parse_tree_shape
+
+    cases = [(lambda: TreeSpec(-1), "tree_budget", "--tree-budget"),
+             (lambda: parse_tree_shape("4,0"), "tree_shape", "--tree-shape '4,0'"),
+             (lambda: NgramIndex(40), "ngram_max", "--ngram-max 40 must be in 1..16"),
+             (lambda: NgramProposer(16, max_ngram=2, min_match=3), "ngram_min",
+              "--ngram-min 3 must be in 1..--ngram-max (2)"),
+             (lambda: OutputCache(100, max_ngram=1), "ngram_cache_tokens", "needs --ngram-max in 2..16"),
+             (lambda: apply_linear_backend(tiny256, "mkl"), "linear_backend", "--linear-backend 'mkl' is unknown"),
+             (lambda: apply_linear_backend(tiny256, "blockq", progress=False), "linear_backend",
+              "--linear-backend blockq: not available")]
+    for call, field, flag in cases:
+        with pytest.raises(ConfigError) as e:
+            call()
+        msg = str(e.value)
+        assert e.value.field == field and f"SpeculativeConfig.{field}" in msg and "--" not in msg, msg
+        assert flag in flag_message(e.value) and "SpeculativeConfig" not in flag_message(e.value)
+    # a suggested value becomes the flag and its value; a flag spelled otherwise is mapped
+    assert flag_message("x; use SpeculativeConfig.runtime='hf'") == "x; use --runtime hf"
+    assert flag_message("SpeculativeConfig.concurrency 9", "serve") == "--max-running 9"
+    assert flag_message("SpeculativeConfig.concurrency 9", "bench") == "--concurrency 9"
+    # through the command line, a library error (wrapped on its way) still names the flag
+    assert main(["generate", "x", "--target", "random:qwen3_5", "--mode", "ar", "--runtime", "dense",
+                 "--max-new-tokens", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "dspine: error: --runtime dense cannot run this target" in err and "use --runtime hf" in err
+    assert "SpeculativeConfig" not in err
+    assert main(["generate", "x", "--target", "random:llama", "--mode", "ar", "--linear-backend", "blockq",
+                 "--max-new-tokens", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "dspine: error: --linear-backend blockq: not available" in err and "SpeculativeConfig" not in err

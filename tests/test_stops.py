@@ -205,7 +205,7 @@ def test_refused_requests(tiny256):
     eng = Engine(tiny256, random_proposer(tiny256, "dspine", 4), "dspine")
     with pytest.raises(EngineError, match="empty"):
         eng.generate([], SamplingConfig(), 4)
-    with pytest.raises(EngineError, match="max-new-tokens"):
+    with pytest.raises(EngineError, match="max_new_tokens"):
         eng.generate([1, 2], SamplingConfig(), 0)
     with pytest.raises(EngineError, match="vocabulary"):
         eng.generate([1, 256], SamplingConfig(), 4)

@@ -52,7 +52,7 @@ def test_as_is_changes_nothing_and_bad_settings_are_refused():
     t = _random()
     w = _linears(t)[0].weight.clone()
     assert quantize_target(t, "as-is") == 0 and torch.equal(_linears(t)[0].weight, w) and "+" not in t.name
-    with pytest.raises(ValueError, match="--target-weights 'int3'"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.target_weights 'int3'"):
         quantize_target(t, "int3")
     from dspine.build import build_engine
     from dspine.config import ConfigError

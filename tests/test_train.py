@@ -183,9 +183,9 @@ def test_resolve_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
     assert resolve_device("cpu") == torch.device("cpu")
-    with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.device cuda: CUDA is not available"):
         resolve_device("cuda")
-    with pytest.raises(ValueError, match="--device 'tpu' is unknown"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.device 'tpu' is unknown"):
         resolve_device("tpu")
     with pytest.raises(ValueError, match="is not supported; accepted"):
         resolve_device("meta")

@@ -103,7 +103,7 @@ def test_sizer_refuses_bad_settings():
     for bad in ([], [0.0], [float("nan")], [-1.0]):
         with pytest.raises(ValueError):
             TreeSizer(bad)
-    with pytest.raises(ValueError, match="--tree-size"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.tree_size"):
         TreeSpec(8, size="huge")
 
 

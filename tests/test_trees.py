@@ -100,16 +100,16 @@ def test_malformed_trees_and_inputs_are_refused():
 def test_tree_settings_refused_with_names():
     assert parse_tree_shape("dynamic") is None and parse_tree_shape("4,2,1") == (4, 2, 1)
     for bad in ("4,0", "", "x", "4,-1"):
-        with pytest.raises(ValueError, match="--tree-shape"):
+        with pytest.raises(ValueError, match="SpeculativeConfig.tree_shape"):
             parse_tree_shape(bad)
     for bad in (-1, 257, True, 2.5, "4"):
-        with pytest.raises(ValueError, match="--tree-budget"):
+        with pytest.raises(ValueError, match="SpeculativeConfig.tree_budget"):
             TreeSpec(bad)
     for bad in ((0,), (-1,), ()):
-        with pytest.raises(ValueError, match="--tree-shape"):
+        with pytest.raises(ValueError, match="SpeculativeConfig.tree_shape"):
             TreeSpec(4, bad)
     for bad in ("1_0", "\u0663", "4,,2"):
-        with pytest.raises(ValueError, match="--tree-shape"):
+        with pytest.raises(ValueError, match="SpeculativeConfig.tree_shape"):
             parse_tree_shape(bad)
     assert not TreeSpec(0).enabled and TreeSpec(3).describe() == "tree(budget=3, shape=dynamic)"
 

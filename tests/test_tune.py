@@ -281,7 +281,7 @@ def test_blockq_head_scores_exactly_and_refuses_other_heads(tiny256):
     assert k.nbytes() == 300 * 64 + 300 * 2 * 4
     plain = torch.randn(300, 64)  # not stored in blocks
     assert "exact GGUF blocks" in blockq_head_unavailable(plain)
-    with pytest.raises(ValueError, match="--head-kernel blockq"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.head_kernel blockq"):
         plan_candidate_pass(plain, torch.float32, "blockq")
     seen = []
     plan_candidate_pass(plain, torch.float32, "auto", redo=True, progress=False,
@@ -302,7 +302,7 @@ def test_forced_kernel_and_bad_name(tiny256):
     assert DrafterProposer(d, use_quantized_head=False).kernel_info() == {
         "candidate_pass": "exact-reference", "drafter_linears": "float32", "drafter_forward": "pytorch",
         "draft_vocab": 256}
-    with pytest.raises(ValueError, match="--head-kernel 'fp4'"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.head_kernel 'fp4'"):
         DrafterProposer(d, head_kernel="fp4")
     # a kernel never chosen costs no memory: only the plan's kernels are kept
     cp = CandidatePass(d.head, {b: "exact" for b in ROW_BUCKETS})

@@ -66,11 +66,7 @@ def tree_spec(config: SpeculativeConfig):
     """
     from dspine.trees.tree import TreeSpec, parse_tree_shape
 
-    try:
-        shape = parse_tree_shape(config.tree_shape)
-    except ValueError as e:
-        raise ConfigError(f"SpeculativeConfig.tree_shape: {e}", field="tree_shape") from None
-    return TreeSpec(config.tree_budget, shape, size=config.tree_size)
+    return TreeSpec(config.tree_budget, parse_tree_shape(config.tree_shape), size=config.tree_size)
 
 
 def check_drafter_setting(config: SpeculativeConfig) -> str | None:
@@ -136,7 +132,7 @@ def build_engine(config: SpeculativeConfig | None = None, *, progress: bool = Fa
             quantize_target(target, c.target_weights)  # opt-in: the quantized target is then the reference
             apply_runtime(target, c.runtime)
         except ValueError as e:
-            raise EngineError(str(e)) from None
+            raise EngineError(str(e), field=getattr(e, "field", None)) from None
         apply_linear_backend(target, c.linear_backend, progress=progress)
 
     if c.mode == "ar":
@@ -156,7 +152,7 @@ def build_engine(config: SpeculativeConfig | None = None, *, progress: bool = Fa
         model = random_drafter(target, mode=c.mode, block_size=16 if c.block_size is None else c.block_size,
                                seed=c.seed, dtype=dt)
     else:
-        model = load_drafter(drafter, target, dtype=dt, block_size=c.block_size)
+        model = load_drafter(drafter, target, dtype=dt, block_size=c.block_size, option="SpeculativeConfig.drafter")
         if model.cfg.bridge != (c.mode == "dspine"):
             raise ConfigError(f"SpeculativeConfig.mode {c.mode!r} does not match drafter {drafter} "
                               f"(trained as {model.cfg.mode})", field="mode")
@@ -206,7 +202,7 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
             prop = make_proposer(proposer, drafting, ngram_max=ngram_max, ngram_min=ngram_min,
                                  cache_tokens=ngram_cache_tokens, copy_bonus=copy_bonus)
         except (DraftVocabError, ValueError) as e:
-            raise EngineError(str(e)) from None
+            raise EngineError(str(e), field=getattr(e, "field", None)) from None
         policy = None if verify_policy == "fixed" else make_policy(verify_policy, target, prop,
                                                                    progress=progress, persist=persist)
         return Engine(target, prop, mode, verify_policy=policy, tree=tree)

@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from dspine.config import ConfigError
+
 MAX_CONCURRENCY = 8
 DEVICES = ("cpu", "cuda")
 DRAFTER_DTYPES = ("float32", "bfloat16")
@@ -61,8 +63,9 @@ VALIDATED: list[tuple[str, str, str]] = [
 ]
 
 
-class GuardError(ValueError):
-    """A setting the runtime has not validated. The message names the setting, the
+class GuardError(ConfigError):
+    """A setting the runtime has not validated. The message names the setting (the
+    :class:`~dspine.config.SpeculativeConfig` field, :attr:`field`, where it is one), the
     value given and the accepted values."""
 
 
@@ -77,11 +80,13 @@ def check_device(device) -> None:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise GuardError(f"--device {device!r} is not validated; accepted: cpu, cuda") from None
+        raise GuardError(f"SpeculativeConfig.device {device!r} is not validated; accepted: cpu, cuda",
+                         field="device") from None
     if dev.type not in DEVICES:
-        raise GuardError(f"--device {device!r} is not validated; accepted: cpu, cuda")
+        raise GuardError(f"SpeculativeConfig.device {device!r} is not validated; accepted: cpu, cuda", field="device")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GuardError(f"--device {device!r}: CUDA is not available on this machine; accepted here: cpu")
+        raise GuardError(f"SpeculativeConfig.device {device!r}: CUDA is not available on this machine; "
+                         f"accepted here: cpu", field="device")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -91,7 +96,8 @@ def resolve_device(name: str = "auto") -> torch.device:
     ``cpu``; ``cuda`` under torchrun also means ``cuda:LOCAL_RANK``.
 
     Raises:
-        ValueError: an unknown device, or ``cuda`` when no CUDA device is visible.
+        ConfigError: an unknown device, or ``cuda`` when no CUDA device is visible (naming
+            ``SpeculativeConfig.device``).
     """
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if name == "auto":
@@ -99,15 +105,19 @@ def resolve_device(name: str = "auto") -> torch.device:
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device {name!r} is unknown; accepted: auto, cpu, cuda, cuda:N") from None
+        raise ConfigError(f"SpeculativeConfig.device {name!r} is unknown; accepted: auto, cpu, cuda, cuda:N",
+                          field="device") from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name!r} is not supported; accepted: auto, cpu, cuda, cuda:N")
+        raise ConfigError(f"SpeculativeConfig.device {name!r} is not supported; accepted: auto, cpu, cuda, cuda:N",
+                          field="device")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+            raise ConfigError(f"SpeculativeConfig.device {name}: CUDA is not available on this machine; "
+                              f"use SpeculativeConfig.device='cpu'", field="device")
         idx = local if dev.index is None else dev.index
         if idx >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+            raise ConfigError(f"SpeculativeConfig.device {name}: only {torch.cuda.device_count()} CUDA device(s) "
+                              f"visible", field="device")
         dev = torch.device("cuda", idx)
     return dev
 
@@ -117,7 +127,8 @@ def check_dtype(dtype, what: str = "drafter") -> None:
     name = _dtype_name(dtype)
     accepted = DRAFTER_DTYPES if what == "drafter" else TARGET_DTYPES
     if name not in accepted:
-        raise GuardError(f"--dtype {name}: {what} dtype {name} is not validated; accepted: {', '.join(accepted)}")
+        raise GuardError(f"SpeculativeConfig.dtype {name}: {what} dtype {name} is not validated; accepted: "
+                         f"{', '.join(accepted)}", field="dtype")
 
 
 def check_concurrency(concurrency: int) -> None:
@@ -132,9 +143,9 @@ def check_block_size(block_size: int | None, drafter_cfg) -> None:
     if block_size is None or drafter_cfg is None:
         return
     if block_size != drafter_cfg.block_size:
-        raise GuardError(f"--block-size {block_size} differs from the drafter's block size "
+        raise GuardError(f"SpeculativeConfig.block_size {block_size} differs from the drafter's block size "
                          f"{drafter_cfg.block_size}; accepted: {drafter_cfg.block_size} (a drafter runs only "
-                         f"at its trained block size)")
+                         f"at its trained block size)", field="block_size")
 
 
 def check_recurrent_state_dtype(dtype) -> None:
@@ -224,14 +235,16 @@ def validate_runtime(target=None, drafter_cfg=None, *, dtype="float32", device="
         from dspine.config import VERIFY_POLICIES as POLICIES
 
         if verify_policy not in POLICIES:
-            raise GuardError(f"--verify-policy {verify_policy!r} is unknown; accepted: {', '.join(POLICIES)}")
+            raise GuardError(f"SpeculativeConfig.verify_policy {verify_policy!r} is unknown; accepted: "
+                             f"{', '.join(POLICIES)}", field="verify_policy")
     check_block_size(block_size, drafter_cfg)
     check_recurrent_state_dtype(state_dtype)
     if target is not None:
         check_dtype(target.dtype, "target")
         tdev = torch.device(getattr(target, "device", device))
         if tdev.type != torch.device(device).type:
-            raise GuardError(f"--device {device}: target is on {tdev}; drafter and target must share the device")
+            raise GuardError(f"SpeculativeConfig.device {device}: target is on {tdev}; drafter and target must "
+                             f"share the device", field="device")
         check_recurrent_state_dtype(getattr(target, "recurrent_state_dtype", None))
         cfgs = [getattr(getattr(target, "model", None), "config", None), getattr(target, "config", None)]
         for cfg in [c for c in cfgs if c is not None]:

@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"dspine bench: error: {e}".splitlines()[0], file=sys.stderr)
+        from dspine.cli.main import flag_message
+
+        print(f"dspine bench: error: {flag_message(e, 'bench')}".splitlines()[0], file=sys.stderr)
         return 2
 
 

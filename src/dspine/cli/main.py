@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 
 from dspine.build import build_engine
-from dspine.config import ConfigError, SpeculativeConfig
+from dspine.config import SpeculativeConfig
 from dspine.argtypes import (DEFAULT_TREE_BUDGET, PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_int,
                        seed_int, thread_count)
 
@@ -309,6 +309,29 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
         a.help = f"{a.help} (default: %(default)s)" if a.help else "default: %(default)s"
 
 
+#: flags not spelled ``--`` + the field's name with ``-``: ``(command, field) -> flag``
+#: (``serve`` runs ``concurrency`` requests as ``--max-running``)
+FLAG_SPELLINGS = {("serve", "concurrency"): "--max-running"}
+
+
+def flag_message(error, command: str | None = None) -> str:
+    """The text of ``error`` (an exception or a message) for the command line: the library
+    names :class:`~dspine.config.SpeculativeConfig` fields, the command line its flags.
+
+    ``SpeculativeConfig.tree_budget -1`` becomes ``--tree-budget -1`` and a suggested value
+    ``SpeculativeConfig.linear_backend='aten'`` becomes ``--linear-backend aten`` (the flag is
+    ``--`` + the field's name with ``-``, or :data:`FLAG_SPELLINGS`'s for ``command``). Every
+    command's error path uses it, whatever the exception's class: wrappers such as
+    ``EngineError(str(e))`` keep the field's name in their text.
+    """
+    def flag(m: re.Match) -> str:
+        name = m.group(1)
+        f = FLAG_SPELLINGS.get((command, name), "--" + name.replace("_", "-"))
+        return f if m.group(2) is None else f"{f} {m.group(2)}"
+
+    return re.sub(r"SpeculativeConfig\.([a-z_]+)(?:='([^']*)')?", flag, str(error))
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse parser whose usage errors become one ``dspine: error:`` line (exit 2)."""
 
@@ -339,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     add_generate_parser(sub)
     _optional_parsers(sub)
     _show_defaults(parser)
-    prev = None
+    prev, args = None, None
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # `serve` installs its own while serving
         prev = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -347,10 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
-        # our errors subclass ValueError
-        msg = str(e)
-        if isinstance(e, ConfigError):  # the library names fields; the command its flags
-            msg = re.sub(r"SpeculativeConfig\.([a-z_]+)", lambda m: "--" + m.group(1).replace("_", "-"), msg)
+        # our errors subclass ValueError; the library names fields, the command its flags
+        msg = flag_message(e, getattr(args, "command", None))
         print(f"dspine: error: {msg}".splitlines()[0], file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early

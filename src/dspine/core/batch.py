@@ -45,12 +45,12 @@ class BatchEngine:
         batch_draft: run the drafter once for all requests (padded context K/V) instead
             of once per request; proposals are the same up to float rounding.
     Raises:
-        EngineError: ``max_running`` outside 1..8 (names ``--max-running``).
+        EngineError: ``max_running`` outside 1..8 (naming it).
     """
 
     def __init__(self, engine: Engine, max_running: int = MAX_RUNNING_VALIDATED, batch_draft: bool = True):
         if not 1 <= int(max_running) <= MAX_RUNNING_VALIDATED:
-            raise EngineError(f"--max-running {max_running} is outside the validated range "
+            raise EngineError(f"max_running {max_running} is outside the validated range "
                               f"1..{MAX_RUNNING_VALIDATED} (spec section 8: at most "
                               f"{MAX_RUNNING_VALIDATED} concurrent requests)")
         self.engine = engine

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from dspine.config import ENGINE_MODES, SamplingConfig
+from dspine.config import ENGINE_MODES, ConfigError, SamplingConfig
 from dspine.control.base import Controller, FixedPolicy
 from dspine.core.cycle import Cycle
 from dspine.core.forward import OwnCachePass
@@ -38,8 +38,10 @@ MODES = ENGINE_MODES
 ENGINE_LABELS = MODES + ("ngram",)
 
 
-class EngineError(ValueError):
-    """A request setting the engine refuses (the message names it)."""
+class EngineError(ConfigError):
+    """A request setting the engine refuses (the message names it: the
+    :class:`~dspine.config.SpeculativeConfig` field, :attr:`field`, where it is one, else the
+    argument)."""
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -72,16 +74,17 @@ class Engine:
             verify one (the dense runtime) verifies a draft tree instead of a chain;
             other cycles (copies, hybrid Gated-DeltaNet targets, ``--runtime hf``) keep chains.
     Raises:
-        EngineError: unknown mode, a speculative mode without a proposer, or a
-            ``verify_policy`` that is not a :class:`~dspine.control.base.Controller`.
+        EngineError: unknown mode, a speculative mode without a proposer (naming
+            ``SpeculativeConfig.mode``), or a ``verify_policy`` that is not a
+            :class:`~dspine.control.base.Controller`.
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, mode: str = "dspine",
                  verify_policy: Controller | None = None, tree: TreeSpec | None = None):
         if mode not in ENGINE_LABELS:
-            raise EngineError(f"--mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
+            raise EngineError(f"SpeculativeConfig.mode {mode!r} is unknown; accepted: {', '.join(MODES)}", field="mode")
         if mode != "ar" and proposer is None:
-            raise EngineError(f"--mode {mode} needs a drafter")
+            raise EngineError(f"SpeculativeConfig.mode {mode} needs a drafter", field="mode")
         self.target, self.proposer, self.mode = target, (proposer if mode != "ar" else None), mode
         if verify_policy is not None and not isinstance(verify_policy, Controller):
             raise EngineError(f"verify_policy must be a dspine.control.base.Controller, got {type(verify_policy).__name__}")
@@ -115,9 +118,9 @@ class Engine:
         if not prompt_ids:
             raise EngineError("prompt is empty")
         if max_new_tokens < 1:
-            raise EngineError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(prompt_ids) + max_new_tokens > self.max_positions:
-            raise EngineError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} "
+            raise EngineError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens {max_new_tokens} "
                               f"exceeds the target's context window of {self.max_positions} tokens")
         bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
         if bad:

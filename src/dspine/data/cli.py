@@ -135,5 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from dspine.cli.main import flag_message
+
+        print(f"error: {flag_message(e, 'data')}", file=sys.stderr)
         return 2

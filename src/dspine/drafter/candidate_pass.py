@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from dspine.config import ConfigError
 from dspine.drafter.final_stage import QuantizedHead
 
 #: Measured in this order (the exact head first: it is never pathological, so a kernel
@@ -70,8 +71,8 @@ class BlockQHead:
     float32, at most the kernels' row limit per call.
 
     Raises:
-        ValueError: H is not stored in exact blocks, or the kernels cannot be built here
-            (naming ``--head-kernel blockq``).
+        ConfigError: H is not stored in exact blocks, or the kernels cannot be built here
+            (naming ``SpeculativeConfig.head_kernel`` blockq).
     """
 
     def __init__(self, head: torch.Tensor):
@@ -79,7 +80,7 @@ class BlockQHead:
 
         why = blockq_head_unavailable(head)
         if why is not None:
-            raise ValueError(f"--head-kernel blockq cannot run here: {why}")
+            raise ConfigError(f"SpeculativeConfig.head_kernel blockq cannot run here: {why}", field="head_kernel")
         self.blocks = blockq._blocks_of(head.detach())
         self.mod = blockq.kernels(progress=False)
         self.rows = blockq.MAX_ROWS
@@ -110,8 +111,8 @@ def blockq_head_unavailable(head: torch.Tensor) -> str | None:
 
 def make_kernel(name: str, head: torch.Tensor, owned: bool = False):
     """Build one coarse-pass kernel by name (``owned``: ``head`` is a copy made for this pass,
-    see :class:`ExactHead`). Raises ValueError for an unknown name (naming ``--head-kernel``
-    and the accepted values)."""
+    see :class:`ExactHead`). Raises ConfigError for an unknown name (naming
+    ``SpeculativeConfig.head_kernel`` and the accepted values)."""
     if name == "int8":
         return QuantizedHead(head)
     if name == "bfloat16":
@@ -120,8 +121,8 @@ def make_kernel(name: str, head: torch.Tensor, owned: bool = False):
         return ExactHead(head, owned)
     if name == "blockq":
         return BlockQHead(head)
-    raise ValueError(f"--head-kernel {name!r} is unknown; accepted: {', '.join(HEAD_KERNELS)} "
-                     f"(or auto where an engine is built: measured)")
+    raise ConfigError(f"SpeculativeConfig.head_kernel {name!r} is unknown; accepted: {', '.join(HEAD_KERNELS)} "
+                      f"(or auto where an engine is built: measured)", field="head_kernel")
 
 
 def bucket(m: int) -> int:
@@ -178,11 +179,12 @@ def forced_candidate_pass(head: torch.Tensor, kernel: str, ids: torch.Tensor | N
     target ids): the pass scores only those rows of ``head``.
 
     Raises:
-        ValueError: unknown kernel name (naming ``--head-kernel``).
+        ConfigError: unknown kernel name (naming ``SpeculativeConfig.head_kernel``).
     """
     if kernel == "auto":
-        raise ValueError(f"--head-kernel auto is measured where an engine is built "
-                         f"(dspine.tune.drafter.measured_proposer); forced here: one of {', '.join(HEAD_KERNELS)}")
+        raise ConfigError(f"SpeculativeConfig.head_kernel auto is measured where an engine is built "
+                          f"(dspine.tune.drafter.measured_proposer); forced here: one of {', '.join(HEAD_KERNELS)}",
+                          field="head_kernel")
     if ids is not None:
         head = head.detach()[ids.to(head.device)].contiguous()  # [Vs, d]
     if kernel == "blockq":  # its blocks are the head's own (cached on it): build it once

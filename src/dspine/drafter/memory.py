@@ -51,7 +51,7 @@ def dtype_bytes(dtype: str | torch.dtype) -> int:
     if isinstance(dtype, torch.dtype):
         return torch.empty((), dtype=dtype).element_size()
     if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"--dtype {dtype!r} is not supported; accepted: {sorted(_DTYPE_BYTES)}")
+        raise ValueError(f"dtype {dtype!r} is not supported; accepted: {sorted(_DTYPE_BYTES)}")
     return _DTYPE_BYTES[dtype]
 
 
@@ -128,11 +128,11 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
     if context is None:
         context = min(RELEASE_CONTEXT, spec.max_positions) if spec else RELEASE_CONTEXT
     if context < 1:
-        raise ValueError(f"--context must be >= 1, got {context}")
+        raise ValueError(f"context must be >= 1, got {context}")
     if concurrency < 1:
-        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if tree_budget < 0:
-        raise ValueError(f"--tree-budget must be >= 0, got {tree_budget}")
+        raise ValueError(f"tree_budget must be >= 0, got {tree_budget}")
     V, d, dc, dm = cfg.vocab_size, cfg.target_hidden, cfg.code_dim, cfg.msg_dim
     pc = drafter_param_counts(cfg)
     no_cb = sum(v for k, v in pc.items() if k != "codebook")
@@ -227,10 +227,10 @@ def drafter_config(name: str, target=None) -> DSpineConfig:
         return DSpineConfig.for_target(target, profile=name)
     p = Path(name)
     if not p.exists():
-        raise ConfigError(f"--config {name!r}: expected release, small, or a drafter config path")
+        raise ConfigError(f"drafter config {name!r}: expected release, small, or a drafter config path")
     cfg = DSpineConfig.load(p)
     if target is not None:
-        check_fits_target(cfg, target, where=f"--config {name}")
+        check_fits_target(cfg, target, where=f"drafter config {name}")
     return cfg
 
 

@@ -20,15 +20,18 @@ from pathlib import Path
 
 import torch
 
+from dspine.config import ConfigError
+
 FILE = "draft_vocab.json"
 #: ``--draft-vocab`` values: ``auto`` (the checkpoint's subset when it has one), ``full``
 #: (score the whole vocabulary), ``subset`` (the checkpoint's subset; an error without one)
 CHOICES = ("auto", "full", "subset")
 
 
-class DraftVocabError(ValueError):
-    """A ``draft_vocab.json`` is damaged or does not fit the drafter, or ``--draft-vocab``
-    asks for a subset the checkpoint does not have."""
+class DraftVocabError(ConfigError):
+    """A ``draft_vocab.json`` is damaged or does not fit the drafter, or
+    ``SpeculativeConfig.draft_vocab`` asks for a subset the checkpoint does not have
+    (:attr:`field` ``draft_vocab`` where that setting is at fault or is the way out)."""
 
 
 def frequent_tokens(seqs, n: int, vocab: int) -> torch.Tensor:
@@ -93,24 +96,26 @@ def load_draft_vocab(ckpt_dir: str | Path | None, vocab_size: int, min_size: int
         raise DraftVocabError(f"{f}: repeated ids")
     if t.numel() < min_size:
         raise DraftVocabError(f"{f}: {t.numel()} ids, fewer than the final stage's {min_size} candidates "
-                              f"per row (head_topk); use --draft-vocab full")
+                              f"per row (head_topk); use SpeculativeConfig.draft_vocab='full'", field="draft_vocab")
     return torch.sort(t).values
 
 
 def resolve(choice: str, ckpt_dir: str | Path | None, vocab_size: int, min_size: int) -> torch.Tensor | None:
-    """The ids to score for ``--draft-vocab choice`` (None = the whole vocabulary).
+    """The ids to score for ``SpeculativeConfig.draft_vocab`` ``choice`` (None = the whole vocabulary).
 
     Raises:
         DraftVocabError: unknown ``choice``, ``subset`` without a ``draft_vocab.json``, or a
             damaged file (:func:`load_draft_vocab`).
     """
     if choice not in CHOICES:
-        raise DraftVocabError(f"--draft-vocab {choice!r} is unknown; accepted: {', '.join(CHOICES)}")
+        raise DraftVocabError(f"SpeculativeConfig.draft_vocab {choice!r} is unknown; accepted: {', '.join(CHOICES)}",
+                              field="draft_vocab")
     if choice == "full":
         return None
     ids = load_draft_vocab(ckpt_dir, vocab_size, min_size)
     if ids is None and choice == "subset":
         where = "a random drafter" if ckpt_dir is None else f"{ckpt_dir}"
-        raise DraftVocabError(f"--draft-vocab subset: {where} has no {FILE} (train with --vocab-subset, or "
-                              f"write one with `dspine data vocab`); use --draft-vocab full or auto")
+        raise DraftVocabError(f"SpeculativeConfig.draft_vocab subset: {where} has no {FILE} (train with "
+                              f"`dspine train --vocab-subset`, or write one with `dspine data vocab`); use "
+                              f"SpeculativeConfig.draft_vocab='full' (or 'auto')", field="draft_vocab")
     return ids

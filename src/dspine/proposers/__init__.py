@@ -64,13 +64,13 @@ def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngr
     """The proposer ``name`` (see :data:`PROPOSERS`) over ``drafter`` (a
     :class:`DrafterProposer`; unused for ``ngram``). ``cache_tokens`` > 0 gives the copy
     proposer a cross-request cache of earlier outputs of that many tokens
-    (:class:`OutputCache`, ``--ngram-cache-tokens``). ``copy_bonus``: the hybrid fuses copies
-    into the DSpine final stage's chain with this score bonus (``--copy-bonus``; None = off).
+    (:class:`OutputCache`, ``ngram_cache_tokens``). ``copy_bonus``: the hybrid fuses copies
+    into the DSpine final stage's chain with this score bonus (``copy_bonus``; None = off).
 
     Raises:
-        ValueError: unknown name (naming ``--proposer``), no drafter where one is needed,
-            a cache with ``--proposer drafter`` (it makes no copies), or ``copy_bonus`` without
-            the hybrid.
+        ConfigError: unknown name (naming ``SpeculativeConfig.proposer``), no drafter where
+            one is needed, a cache with proposer ``drafter`` (it makes no copies), or
+            ``copy_bonus`` without the hybrid.
     """
     check_copy_settings(name, cache_tokens=cache_tokens, ngram_max=ngram_max, copy_bonus=copy_bonus)
     cache = OutputCache(cache_tokens, ngram_max) if cache_tokens else None
@@ -78,7 +78,7 @@ def make_proposer(name: str, drafter: Proposer | None, block_size: int = 16, ngr
     if name == "ngram":
         return NgramProposer(bs, ngram_max, ngram_min, cache=cache)
     if drafter is None:
-        raise ValueError(f"--proposer {name} needs a drafter")
+        raise ConfigError(f"SpeculativeConfig.proposer {name} needs a drafter", field="proposer")
     if name == "drafter":
         return drafter
     return HybridProposer(drafter, NgramProposer(bs, ngram_max, ngram_min, cache=cache), fuse_bonus=copy_bonus)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from dspine.config import ConfigError
+
 SCOPES = ("key", "global")  # --ngram-cache-scope
 MIN_TOKENS = 2  # the smallest useful bound: one entry of 2 tokens
 BYTES_PER_SLOT = 170  # tuple key + dict entry + (entry, pos) tuple: ~166 B measured with tracemalloc (random ids)
@@ -49,29 +51,32 @@ class OutputCache:
     """Earlier outputs per tenant, indexed by hashed n-grams (n = 1..``max_ngram``).
 
     Args:
-        max_tokens: most tokens stored over all tenants (``--ngram-cache-tokens``, >= 1).
-        max_ngram: longest n-gram indexed (the copy proposer's ``--ngram-max``).
+        max_tokens: most tokens stored over all tenants (``SpeculativeConfig.ngram_cache_tokens``, >= 1).
+        max_ngram: longest n-gram indexed (the copy proposer's ``SpeculativeConfig.ngram_max``).
         min_match: shortest suffix match that proposes from the cache (default 2: a
             one-token match over many outputs is mostly noise).
     Raises:
-        ValueError: a setting out of range (naming it).
+        ConfigError: a setting out of range (naming it; :attr:`~dspine.config.ConfigError.field`
+            where it is a :class:`~dspine.config.SpeculativeConfig` field).
 
     Thread safety: one lock around every public method (the server's scheduler thread
     writes and reads; ``/health`` reads :meth:`stats`).
     """
 
     def __init__(self, max_tokens: int, max_ngram: int = 4, min_match: int = 2):
-        for name, v in (("--ngram-cache-tokens", max_tokens), ("--ngram-max", max_ngram), ("min_match", min_match)):
+        F = "SpeculativeConfig."
+        for name, v, fld in ((f"{F}ngram_cache_tokens", max_tokens, "ngram_cache_tokens"),
+                             (f"{F}ngram_max", max_ngram, "ngram_max"), ("min_match", min_match, None)):
             if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+                raise ConfigError(f"{name} must be an integer, got {v!r}", field=fld)
         if max_tokens < MIN_TOKENS:
-            raise ValueError(f"--ngram-cache-tokens must be >= {MIN_TOKENS} to enable the cache (an entry needs "
-                             f"2 tokens), got {max_tokens}")
+            raise ConfigError(f"{F}ngram_cache_tokens must be >= {MIN_TOKENS} to enable the cache (an entry "
+                              f"needs 2 tokens), got {max_tokens}", field="ngram_cache_tokens")
         if not 2 <= max_ngram <= 16:
-            raise ValueError(f"--ngram-cache-tokens needs --ngram-max in 2..16 (the cache proposes on matches "
-                             f"of 2+ tokens), got --ngram-max {max_ngram}")
+            raise ConfigError(f"{F}ngram_cache_tokens needs {F}ngram_max in 2..16 (the cache proposes on matches "
+                              f"of 2+ tokens), got {F}ngram_max {max_ngram}", field="ngram_cache_tokens")
         if not 1 <= min_match <= max_ngram:
-            raise ValueError(f"cache min_match {min_match} must be in 1..--ngram-max ({max_ngram})")
+            raise ConfigError(f"cache min_match {min_match} must be in 1..{F}ngram_max ({max_ngram})")
         self.max_tokens, self.max_ngram, self.min_match = int(max_tokens), int(max_ngram), int(min_match)
         self._entries: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()  # id -> (tenant, tokens), oldest first
         self._index: dict[str, dict[tuple[int, ...], tuple[int, int]]] = {}  # tenant -> ngram -> (id, pos)

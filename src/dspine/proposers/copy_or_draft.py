@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dspine.config import SamplingConfig
+from dspine.config import ConfigError, SamplingConfig
 from dspine.proposers.base import Plan, Proposal, Proposer
 from dspine.proposers.ngram import CACHE_SOURCE, NgramIndex, NgramProposer
 
@@ -66,7 +66,7 @@ class HybridProposer(Proposer):
             copy where the drafter agrees or hesitates (q is the chain's own distribution
             over the fused tables: exact). Trees keep the copy as a grafted branch instead.
     Raises:
-        ValueError: ``fuse_bonus`` outside 0..:data:`MAX_COPY_BONUS` (naming ``--copy-bonus``).
+        ConfigError: ``fuse_bonus`` outside 0..:data:`MAX_COPY_BONUS` (naming ``SpeculativeConfig.copy_bonus``).
     """
 
     needs_features = True
@@ -80,8 +80,8 @@ class HybridProposer(Proposer):
         self.split_contested = bool(split_contested)
         if fuse_bonus is not None and (not isinstance(fuse_bonus, (int, float)) or isinstance(fuse_bonus, bool)
                                        or not 0 <= fuse_bonus <= MAX_COPY_BONUS):
-            raise ValueError(f"--copy-bonus must be a number in 0..{MAX_COPY_BONUS:g} (a score bonus; "
-                             f"float32 scores overflow far above that), got {fuse_bonus!r}")
+            raise ConfigError(f"SpeculativeConfig.copy_bonus must be a number in 0..{MAX_COPY_BONUS:g} (a score bonus; "
+                              f"float32 scores overflow far above that), got {fuse_bonus!r}", field="copy_bonus")
         # fuse copies into the final stage's chain (source ``fused``) where the drafter has one
         self.fuse_bonus = fuse_bonus if getattr(getattr(drafter, "cfg", None), "final_stage", False) else None
         self.block_size = drafter.block_size

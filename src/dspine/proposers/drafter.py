@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dspine.config import SamplingConfig
+from dspine.config import ConfigError, SamplingConfig
 from dspine.drafter.candidate_pass import CandidatePass, forced_candidate_pass
 from dspine.drafter.final_stage import candidates, chain, fused_tables, parallel_argmax
 from dspine.drafter.model import BlockOutput, DSpineDrafter
@@ -60,8 +60,8 @@ class DrafterProposer(Proposer):
         self.block_size = self.cfg.block_size
         self.feature_layers = list(self.cfg.feature_layers)
         if vocab is not None and not use_quantized_head:
-            raise ValueError("--draft-vocab: a draft vocabulary needs the coarse candidate pass "
-                             "(the exact reference path scores the whole vocabulary)")
+            raise ConfigError("SpeculativeConfig.draft_vocab: a draft vocabulary needs the coarse candidate pass "
+                              "(the exact reference path scores the whole vocabulary)", field="draft_vocab")
         if not use_quantized_head:
             self.qhead = None
         elif isinstance(head_kernel, CandidatePass):

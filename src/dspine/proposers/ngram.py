@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from dspine.config import SamplingConfig
+from dspine.config import ConfigError, SamplingConfig
 from dspine.proposers.base import Plan, Proposal, Proposer
 from dspine.proposers.cache import CacheView, OutputCache
 
@@ -53,7 +53,7 @@ class NgramIndex:
 
     def __init__(self, max_ngram: int = 4, contested: bool = False):
         if not 1 <= max_ngram <= self.MAX_NGRAM:
-            raise ValueError(f"--ngram-max {max_ngram} must be in 1..{self.MAX_NGRAM}")
+            raise ConfigError(f"SpeculativeConfig.ngram_max {max_ngram} must be in 1..{self.MAX_NGRAM}", field="ngram_max")
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}
@@ -166,11 +166,11 @@ class NgramProposer(Proposer):
 
     Args:
         block_size: proposals per cycle at most + 1 (default 16, as the drafters).
-        max_ngram: longest suffix matched (``--ngram-max``).
-        min_match: shortest suffix match that proposes (``--ngram-min``); shorter
+        max_ngram: longest suffix matched (``SpeculativeConfig.ngram_max``).
+        min_match: shortest suffix match that proposes (``SpeculativeConfig.ngram_min``); shorter
             matches give a plain target step.
         cache: an optional cross-request cache of earlier outputs
-            (:class:`.cache.OutputCache`, ``--ngram-cache-tokens``): requests are attached
+            (:class:`.cache.OutputCache`, ``SpeculativeConfig.ngram_cache_tokens``): requests are attached
             to their tenant's part by :meth:`set_tenant` and add their output by
             :meth:`finish`; its copies are source ``cache``.
     Raises:
@@ -184,14 +184,17 @@ class NgramProposer(Proposer):
     def __init__(self, block_size: int = 16, max_ngram: int = 4, min_match: int = 1,
                  cache: OutputCache | None = None):
         if not 2 <= block_size <= 64:
-            raise ValueError(f"--block-size {block_size} must be in 2..64 for the n-gram proposer "
-                             f"(at most block size - 1 copied tokens per cycle)")
+            raise ConfigError(f"SpeculativeConfig.block_size {block_size} must be in 2..64 for the n-gram proposer "
+                              f"(at most block size - 1 copied tokens per cycle)", field="block_size")
         if not 1 <= max_ngram <= NgramIndex.MAX_NGRAM:
-            raise ValueError(f"--ngram-max {max_ngram} must be in 1..{NgramIndex.MAX_NGRAM}")
+            raise ConfigError(f"SpeculativeConfig.ngram_max {max_ngram} must be in 1..{NgramIndex.MAX_NGRAM}",
+                              field="ngram_max")
         if not 1 <= min_match <= max_ngram:
-            raise ValueError(f"--ngram-min {min_match} must be in 1..--ngram-max ({max_ngram})")
+            raise ConfigError(f"SpeculativeConfig.ngram_min {min_match} must be in 1..SpeculativeConfig.ngram_max "
+                              f"({max_ngram})", field="ngram_min")
         if cache is not None and cache.max_ngram != max_ngram:
-            raise ValueError(f"the output cache indexes {cache.max_ngram}-grams but --ngram-max is {max_ngram}")
+            raise ConfigError(f"the output cache indexes {cache.max_ngram}-grams but SpeculativeConfig.ngram_max is "
+                              f"{max_ngram}", field="ngram_max")
         self.block_size, self.max_ngram, self.min_match = block_size, max_ngram, min_match
         self.cache = cache
 

@@ -29,6 +29,8 @@ import time
 import torch
 from torch import nn
 
+from dspine.config import ConfigError
+
 LINEAR_BACKENDS = ("aten", "transposed", "onednn", "mixed", "blockq")
 """``aten``: PyTorch's own linear on row-major weights. ``transposed``: the same on
 column-major weights (:mod:`dspine.runtime.layout`, no extra memory). ``onednn``: oneDNN
@@ -78,26 +80,29 @@ def pack_linears(model: nn.Module, batch_hint: int = 16, one_row_aten: bool = Fa
     one-row inputs keep PyTorch's linear on the original weight (``mixed``).
 
     Raises:
-        ValueError: the model is not on the CPU, this torch has no oneDNN linear, or this
+        ConfigError: the model is not on the CPU, this torch has no oneDNN linear, or this
             CPU cannot run it in the weights' dtype (bfloat16 needs AVX-512 or
-            AVX-NE-CONVERT); named ``--linear-backend``, nothing is left half-packed.
+            AVX-NE-CONVERT); named ``SpeculativeConfig.linear_backend``, nothing is left half-packed.
     """
     if not onednn_available():
-        raise ValueError("--linear-backend onednn: this torch build has no oneDNN linear ops; use aten")
+        raise ConfigError("SpeculativeConfig.linear_backend onednn: this torch build has no oneDNN linear ops; "
+                          "use SpeculativeConfig.linear_backend='aten'", field="linear_backend")
     n = 0
     for mod in list(model.modules()):
         for name, ch in list(mod.named_children()):
             if type(ch) is nn.Linear:
                 if ch.weight.device.type != "cpu" or ch.weight.dtype not in (torch.float32, torch.bfloat16):
-                    raise ValueError(f"--linear-backend onednn: layer {name} is {ch.weight.dtype} on "
-                                     f"{ch.weight.device}; only CPU float32/bfloat16 layers can be packed")
+                    raise ConfigError(f"SpeculativeConfig.linear_backend onednn: layer {name} is {ch.weight.dtype} "
+                                      f"on {ch.weight.device}; only CPU float32/bfloat16 layers can be packed",
+                                      field="linear_backend")
                 try:
                     packed = PackedLinear(ch, batch_hint, one_row_aten)
                 except RuntimeError as e:  # e.g. bf16 reorder on a CPU without AVX-512/AVX-NE-CONVERT
                     unpack_linears(model)
-                    raise ValueError(f"--linear-backend onednn: this CPU/torch cannot run oneDNN "
-                                     f"{str(ch.weight.dtype).replace('torch.', '')} linears "
-                                     f"({str(e).splitlines()[0]}); use aten") from None
+                    raise ConfigError(f"SpeculativeConfig.linear_backend onednn: this CPU/torch cannot run oneDNN "
+                                      f"{str(ch.weight.dtype).replace('torch.', '')} linears "
+                                      f"({str(e).splitlines()[0]}); use SpeculativeConfig.linear_backend='aten'",
+                                      field="linear_backend") from None
                 setattr(mod, name, packed)
                 n += 1
     return n
@@ -128,14 +133,15 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
     whatever backend they were on; only what differs is redone.
 
     Raises:
-        ValueError: unknown backend (naming ``--linear-backend``), or a oneDNN backend where
-            it cannot run (:func:`pack_linears`); the model is then left on ``aten``.
+        ConfigError: unknown backend (naming ``SpeculativeConfig.linear_backend``), or a oneDNN
+            backend where it cannot run (:func:`pack_linears`); the model is then left on ``aten``.
     """
     from dspine.runtime.blockq import MAX_ROWS, BlockQLinear, choose_rows, pack_blocks, unpack_blocks
     from dspine.runtime.layout import set_column_major
 
     if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
+        raise ConfigError(f"SpeculativeConfig.linear_backend {backend!r} is unknown; accepted: auto, "
+                          f"{', '.join(LINEAR_BACKENDS)}", field="linear_backend")
     if backend == "blockq" and any(isinstance(m, BlockQLinear) for m in model.modules()):
         return  # already on it (switching back and forth while measuring costs nothing)
     unpack_blocks(model)  # blockq wraps the packed layers; rebuilt below when asked for again
@@ -150,19 +156,21 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
             pack_linears(model, one_row_aten=backend == "mixed")
         except ValueError as e:
             set_column_major(model, False)
-            raise ValueError(str(e).replace("--linear-backend onednn", f"--linear-backend {backend}")) from None
+            key = "SpeculativeConfig.linear_backend"
+            raise ConfigError(str(e).replace(f"{key} onednn", f"{key} {backend}"), field="linear_backend") from None
     if backend == "blockq":
         from dspine.runtime.blockq import kernels, unavailable_reason
 
         if kernels() is None:
             set_linear_backend(model, "aten")
-            raise ValueError(f"--linear-backend blockq: its kernels could not be built here ({unavailable_reason()}); "
-                             f"use another backend")
+            raise ConfigError(f"SpeculativeConfig.linear_backend blockq: its kernels could not be built here "
+                              f"({unavailable_reason()}); use another backend", field="linear_backend")
         counts = pack_blocks(model, rows=MAX_ROWS, wrap=(nn.Linear, PackedLinear))
         if not counts["q4"] + counts["q8"]:
             set_linear_backend(model, "aten")
-            raise ValueError("--linear-backend blockq: no linear layer of this target holds exact Q4_1/Q8_0 "
-                             "blocks (only targets converted from such a GGUF do); use another backend")
+            raise ConfigError("SpeculativeConfig.linear_backend blockq: no linear layer of this target holds exact "
+                              "Q4_1/Q8_0 blocks (only targets converted from such a GGUF do); use another backend",
+                              field="linear_backend")
         rows = getattr(model, "_dspine_blockq_rows", None)
         if rows is None:  # how many rows the kernels take here (more go to oneDNN): measured once per machine
             from dspine.runtime.blockq import source_version
@@ -263,11 +271,12 @@ def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
     and record it as ``target.linear_backend``; returns the backend used.
 
     Raises:
-        ValueError: unknown backend (naming ``--linear-backend``), or one that cannot run
-            this target here (:func:`available_backends`, :func:`pack_linears`).
+        ConfigError: unknown backend (naming ``SpeculativeConfig.linear_backend``), or one that
+            cannot run this target here (:func:`available_backends`, :func:`pack_linears`).
     """
     if backend not in ("auto", *LINEAR_BACKENDS):
-        raise ValueError(f"--linear-backend {backend!r} is unknown; accepted: auto, {', '.join(LINEAR_BACKENDS)}")
+        raise ConfigError(f"SpeculativeConfig.linear_backend {backend!r} is unknown; accepted: auto, "
+                          f"{', '.join(LINEAR_BACKENDS)}", field="linear_backend")
     if backend == "auto":
         backend = choose_linear_backend(target, progress=progress).chosen
     elif backend not in available_backends(target, blockq=backend == "blockq", progress=progress):
@@ -281,9 +290,10 @@ def apply_linear_backend(target, backend: str, progress: bool = True) -> str:
             why = (f"; its kernels could not be built: {unavailable_reason()}" if unavailable_reason() else
                    "; this target's weights hold no exact Q4_1/Q8_0 blocks (only targets converted from "
                    "such a GGUF do)")
-        raise ValueError(f"--linear-backend {backend}: not available for this target here (a "
-                         f"{str(target.dtype).replace('torch.', '')} {target.device.type} "
-                         f"{'hybrid ' if target.hybrid else ''}target{why}; available: {', '.join(avail)})")
+        raise ConfigError(f"SpeculativeConfig.linear_backend {backend}: not available for this target here (a "
+                          f"{str(target.dtype).replace('torch.', '')} {target.device.type} "
+                          f"{'hybrid ' if target.hybrid else ''}target{why}; available: {', '.join(avail)})",
+                          field="linear_backend")
     set_linear_backend(target.model, backend)
     target.linear_backend = backend
     rt = getattr(target, "runtime", None)

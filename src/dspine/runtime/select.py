@@ -10,6 +10,8 @@ on every shape measured (``benchmarks/archive/target_runtime.py``).
 """
 from __future__ import annotations
 
+from dspine.config import ConfigError
+
 RUNTIMES = ("hf", "dense")
 
 
@@ -17,18 +19,20 @@ def resolve_runtime(target, name: str) -> str:
     """``auto`` -> ``dense`` where supported, else ``hf``; other names are checked.
 
     Raises:
-        ValueError: an unknown name, or ``dense`` for a target it cannot run (naming
-            ``--runtime``).
+        ConfigError: an unknown name, or ``dense`` for a target it cannot run (naming
+            ``SpeculativeConfig.runtime``).
     """
     from dspine.runtime.dense import runtime_support
 
     if name not in ("auto", *RUNTIMES):
-        raise ValueError(f"--runtime {name!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}")
+        raise ConfigError(f"SpeculativeConfig.runtime {name!r} is unknown; accepted: auto, {', '.join(RUNTIMES)}",
+                          field="runtime")
     if name == "auto":
         return "dense" if target.hybrid is None and runtime_support(target.model) is None else "hf"
     if name == "dense" and target.hybrid is not None:
-        raise ValueError("--runtime dense cannot run this target: a hybrid (Gated-DeltaNet) target "
-                         "keeps transformers' forward and its replay cache; use --runtime hf")
+        raise ConfigError("SpeculativeConfig.runtime dense cannot run this target: a hybrid (Gated-DeltaNet) target "
+                          "keeps transformers' forward and its replay cache; use SpeculativeConfig.runtime='hf'",
+                          field="runtime")
     return name
 
 

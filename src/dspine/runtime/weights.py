@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspine.config import ConfigError
+
 TARGET_WEIGHTS = ("as-is", "q8_0")
 
 
@@ -27,11 +29,12 @@ def quantize_target(target, kind: str) -> int:
     Returns:
         the number of linear layers rounded (0 for ``as-is``).
     Raises:
-        ValueError: an unknown ``kind`` (naming ``--target-weights``), or no linear layer
-            with an input size that is a multiple of 32.
+        ConfigError: an unknown ``kind`` (naming ``SpeculativeConfig.target_weights``), or no
+            linear layer with an input size that is a multiple of 32.
     """
     if kind not in TARGET_WEIGHTS:
-        raise ValueError(f"--target-weights {kind!r} is unknown; accepted: {', '.join(TARGET_WEIGHTS)}")
+        raise ConfigError(f"SpeculativeConfig.target_weights {kind!r} is unknown; accepted: {', '.join(TARGET_WEIGHTS)}",
+                          field="target_weights")
     if kind == "as-is":
         return 0
     from dspine.drafter.q8 import q8_round
@@ -44,8 +47,8 @@ def quantize_target(target, kind: str) -> int:
                 mod.weight.copy_(q8_round(mod.weight).to(mod.weight.dtype))
                 done += 1
     if not done:
-        raise ValueError(f"--target-weights {kind}: target {target.name!r} has no linear layer whose input "
-                         f"size is a multiple of 32")
+        raise ConfigError(f"SpeculativeConfig.target_weights {kind}: target {target.name!r} has no linear layer "
+                          f"whose input size is a multiple of 32", field="target_weights")
     target.name = f"{target.name}+{kind}"
     target.weights_format = kind
     return done

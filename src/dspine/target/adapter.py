@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dspine.config import ConfigError
 from dspine.target.cache import TargetCache  # noqa: F401 (re-export: the cache of a Target)
 from dspine.target.registry import DEFAULT_TARGET, TargetError, resolve_target
 
@@ -34,11 +35,13 @@ _RANDOM_ARCHS = {
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map ``float32|bfloat16|float16`` to a torch dtype. Raises ValueError naming ``--dtype``."""
+    """Map ``float32|bfloat16|float16`` to a torch dtype. Raises ConfigError naming
+    ``SpeculativeConfig.dtype``."""
     if isinstance(name, torch.dtype):
         return name
     if name not in _DTYPES:
-        raise ValueError(f"--dtype {name!r} is not supported; accepted: {sorted(_DTYPES)}")
+        raise ConfigError(f"SpeculativeConfig.dtype {name!r} is not supported; accepted: {sorted(_DTYPES)}",
+                          field="dtype")
     return _DTYPES[name]
 
 
@@ -149,8 +152,8 @@ class Target:
         (``dense``); returns the name. Caches made before keep working with their runtime.
 
         Raises:
-            ValueError: an unknown name, or ``dense`` for a target it cannot run (naming
-                ``--runtime``).
+            ConfigError: an unknown name, or ``dense`` for a target it cannot run (naming
+                ``SpeculativeConfig.runtime``).
         """
         if name == "hf":
             self.runtime = None
@@ -158,7 +161,8 @@ class Target:
             from dspine.runtime.dense import DenseRuntime
             self.runtime = DenseRuntime(self.model)
         else:
-            raise ValueError(f"--runtime {name!r} is unknown; accepted: auto, hf, dense")
+            raise ConfigError(f"SpeculativeConfig.runtime {name!r} is unknown; accepted: auto, hf, dense",
+                              field="runtime")
         self.runtime_name = name
         return name
 
@@ -211,15 +215,16 @@ class Target:
         Returns:
             :class:`TargetOutput` with float32 logits.
         Raises:
-            ValueError: ``tree`` with a cache that cannot hold a tree.
+            ConfigError: ``tree`` with a cache that cannot hold a tree (naming
+                ``SpeculativeConfig.runtime``).
         """
         if cache is not None and not isinstance(cache, TargetCache):  # a DenseCache
             logits, feats = cache.rt.forward(input_ids.to(self.device), cache, feature_layers, logits_to_keep,
                                              tree=tree)
             return TargetOutput(logits=logits.float(), features=feats)
         if tree is not None:
-            raise ValueError("draft trees need the dense runtime (--runtime dense); this target runs "
-                             f"{self.runtime_name!r}")
+            raise ConfigError("draft trees need the dense runtime (SpeculativeConfig.runtime='dense'); this target "
+                              f"runs {self.runtime_name!r}", field="runtime")
         out = self.model(input_ids=input_ids.to(self.device),
                          past_key_values=None if cache is None else cache.kv,
                          use_cache=cache is not None,
@@ -236,7 +241,7 @@ class Target:
         tok = self.tokenizer
         if chat:
             if getattr(tok, "chat_template", None) is None:
-                raise ValueError(f"--chat: target {self.name!r} has no chat template")
+                raise ValueError(f"chat=True: target {self.name!r} has no chat template")
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
                                           add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -254,7 +259,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
         vocab_size, seed, random_overrides: only for ``random:<arch>``.
     Raises:
         TargetError: unknown name/path or architecture.
-        ValueError: unsupported dtype.
+        ConfigError: unsupported dtype (naming ``SpeculativeConfig.dtype``).
     """
     dt = parse_dtype(dtype)
     resolved = resolve_target(name_or_path)
@@ -272,5 +277,6 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(device)
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise TargetError(f"--target {name_or_path!r}: could not load model from {path}: {e}") from e
+        raise TargetError(f"SpeculativeConfig.target {name_or_path!r}: could not load model from {path}: {e}",
+                          field="target") from e
     return Target(model, tok, name=name_or_path, path=str(path))

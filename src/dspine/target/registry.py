@@ -20,13 +20,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspine.config import ConfigError
 from dspine.target.assets import AssetError, WHEELS, WheelPin, dspine_home, extract_member, sha256_file
 
 DEFAULT_TARGET = "smollm2-135m"
 
 
-class TargetError(ValueError):
-    """Unknown or unusable target setting."""
+class TargetError(ConfigError):
+    """Unknown or unusable target setting (:attr:`field` ``target`` where the message names
+    ``SpeculativeConfig.target``)."""
 
 
 @dataclass(frozen=True)

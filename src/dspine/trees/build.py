@@ -39,7 +39,7 @@ def _check(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -> None
     if not 0 <= depth <= T.shape[0]:
         raise ValueError(f"tree depth {depth} outside 0..{T.shape[0]}")
     if budget < 0:
-        raise ValueError(f"--tree-budget must be >= 0, got {budget}")
+        raise ValueError(f"tree budget must be >= 0, got {budget}")
 
 
 def static_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, widths: tuple[int, ...], budget: int,

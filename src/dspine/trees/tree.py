@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspine.config import ConfigError
+
 TREE_SHAPES = ("dynamic",)  # besides comma-separated widths such as "4,2,1"
 from dspine.argtypes import DEFAULT_TREE_SIZE, TREE_SIZES  # noqa: E402 (--tree-size)
 from dspine.argtypes import MAX_TREE_BUDGET  # noqa: E402 (the most nodes a tree may have)
@@ -25,7 +27,8 @@ from dspine.argtypes import MAX_TREE_BUDGET  # noqa: E402 (the most nodes a tree
 def _check_widths(widths) -> tuple[int, ...]:
     if (not isinstance(widths, (tuple, list)) or not widths
             or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths)):
-        raise ValueError(f"--tree-shape widths must be integers >= 1, got {widths!r}")
+        raise ConfigError(f"SpeculativeConfig.tree_shape widths must be integers >= 1, got {widths!r}",
+                          field="tree_shape")
     return tuple(widths)
 
 
@@ -34,14 +37,15 @@ def parse_tree_shape(text: str) -> tuple[int, ...] | None:
     node at depth d-1 gets up to ``widths[d-1]`` children (1 past the last entry).
 
     Raises:
-        ValueError: not ``dynamic`` and not positive integers (naming ``--tree-shape``).
+        ConfigError: not ``dynamic`` and not positive integers (naming ``SpeculativeConfig.tree_shape``).
     """
     text = str(text).strip()
     if text == "dynamic":
         return None
     parts = [x.strip() for x in text.split(",")]
     if not all(x.isascii() and x.isdigit() for x in parts) or min((int(x) for x in parts if x), default=0) < 1:
-        raise ValueError(f"--tree-shape {text!r} must be 'dynamic' or comma-separated widths >= 1, e.g. 4,2,1")
+        raise ConfigError(f"SpeculativeConfig.tree_shape {text!r} must be 'dynamic' or comma-separated widths >= 1, "
+                          f"e.g. 4,2,1", field="tree_shape")
     return tuple(int(x) for x in parts)
 
 
@@ -59,8 +63,9 @@ class TreeSpec:
         trees: verify the prefix that maximizes expected tokens per second,
         :class:`dspine.control.tree_sizer.TreeSizer`; needs the cost verification policy's curve).
     Raises:
-        ValueError: a budget that is not an integer in 0..MAX_TREE_BUDGET (naming
-            ``--tree-budget``), or widths that are not integers >= 1 (naming ``--tree-shape``).
+        ConfigError: a size that is unknown (naming ``SpeculativeConfig.tree_size``), a budget
+            that is not an integer in 0..MAX_TREE_BUDGET (``SpeculativeConfig.tree_budget``), or
+            widths that are not integers >= 1 (``SpeculativeConfig.tree_shape``).
     """
 
     budget: int = 0
@@ -70,10 +75,12 @@ class TreeSpec:
 
     def __post_init__(self):
         if self.size not in TREE_SIZES:
-            raise ValueError(f"--tree-size {self.size!r} is unknown; accepted: {', '.join(TREE_SIZES)}")
+            raise ConfigError(f"SpeculativeConfig.tree_size {self.size!r} is unknown; accepted: {', '.join(TREE_SIZES)}",
+                              field="tree_size")
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_TREE_BUDGET:
-            raise ValueError(f"--tree-budget must be an integer in 0..{MAX_TREE_BUDGET}, got {b!r}")
+            raise ConfigError(f"SpeculativeConfig.tree_budget must be an integer in 0..{MAX_TREE_BUDGET}, got {b!r}",
+                              field="tree_budget")
         if self.shape is not None:
             object.__setattr__(self, "shape", _check_widths(self.shape))
         object.__setattr__(self, "sampled_shape", _check_widths(self.sampled_shape))

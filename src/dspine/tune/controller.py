@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dspine.config import VERIFY_POLICIES
+from dspine.config import VERIFY_POLICIES, ConfigError
 from dspine.control.base import Controller, FixedPolicy
 from dspine.control.cost_curve import CostCurve, copy_cost
 from dspine.control.per_source import PerSourcePolicy
@@ -55,14 +55,16 @@ def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
     :func:`save_profile` at the end.
 
     Raises:
-        ValueError: unknown name (naming ``--verify-policy`` and the accepted values).
+        ConfigError: unknown name (naming ``SpeculativeConfig.verify_policy`` and the accepted
+            values), or ``cost`` without a target.
     """
     if name == "fixed":
         return FixedPolicy()
     if name == "cost":
         if cost is None:
             if target is None:
-                raise ValueError("--verify-policy cost needs a target to measure the cost curve")
+                raise ConfigError("SpeculativeConfig.verify_policy cost needs a target to measure the cost curve",
+                                  field="verify_policy")
             if n_max is None:
                 n_max = (getattr(proposer, "block_size", 16) - 1) if proposer is not None else 0
             drafting = getattr(proposer, "drafter_proposer", proposer)  # a hybrid: its drafter's cost
@@ -79,7 +81,8 @@ def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
         if pol.profile_key is not None:
             load_profile(pol, pol.profile_key, str(target.device))
         return pol if len(pols) == 1 else PerSourcePolicy(pols, sources[0])
-    raise ValueError(f"--verify-policy {name!r} is unknown; accepted: {', '.join(POLICIES)}")
+    raise ConfigError(f"SpeculativeConfig.verify_policy {name!r} is unknown; accepted: {', '.join(POLICIES)}",
+                      field="verify_policy")
 
 
 def load_profile(policy: CostModelPolicy, key: str, device: str = "cpu") -> bool:
