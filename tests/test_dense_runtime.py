@@ -89,7 +89,7 @@ def test_refusals_name_the_setting():
         resolve_runtime(hyb, "fast")
     sw = load_target("random:qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert "sliding" in (runtime_support(sw.model) or "")
-    with pytest.raises(ValueError, match="--runtime dense"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.runtime dense cannot run this target"):
         sw.set_runtime("dense")
     from dspine.build import build_engine
     with pytest.raises(ConfigError, match="SpeculativeConfig.runtime 'fast' is unknown"):

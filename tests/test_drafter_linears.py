@@ -49,9 +49,9 @@ def test_auto_follows_the_measurement_and_bad_values_are_refused(tiny256):
                                            timer=lambda name, fn, r, cap: 1e-4 if name == fast else 1e-3)
         assert choice.chosen == fast and isinstance(got.fc, BlockQLinear) == want
     assert plan_drafter_linears(d, "float32")[0] is d
-    with pytest.raises(ValueError, match="--drafter-linears 'int4'"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.drafter_linears 'int4'"):
         plan_drafter_linears(d, "int4")
-    with pytest.raises(ValueError, match="--drafter-linears q8 cannot run here"):
+    with pytest.raises(ValueError, match="SpeculativeConfig.drafter_linears 'q8' cannot run here"):
         plan_drafter_linears(random_drafter(tiny256, mode="dspine", block_size=8, seed=1, dtype=torch.bfloat16), "q8")
 
 

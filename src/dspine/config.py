@@ -79,7 +79,8 @@ class DSpineConfig:
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"DSpineConfig.{f} must be a positive int, got {v!r}")
         if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise ConfigError(f"block size (--block-size) must be 2..{MAX_BLOCK_SIZE}, got {self.block_size}")
+            raise ConfigError(f"block size must be 2..{MAX_BLOCK_SIZE}, got {self.block_size} "
+                              f"(SpeculativeConfig.block_size)", field="block_size")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"DSpineConfig.num_heads ({self.num_heads}) must be a multiple of "
                               f"num_kv_heads ({self.num_kv_heads})")

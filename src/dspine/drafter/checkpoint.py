@@ -58,7 +58,7 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype = torch.float
     except ConfigError as e:
         raise DrafterError(f"{option} {path}: {e}") from None
     if block_size is not None and block_size != cfg.block_size:
-        raise DrafterError(f"--block-size {block_size} differs from the checkpoint's block size "
+        raise DrafterError(f"SpeculativeConfig.block_size {block_size} differs from the checkpoint's block size "
                            f"{cfg.block_size}; a drafter runs only at its trained block size")
     if target is not None:
         check_fits_target(cfg, target, where=f"{option} {path}")

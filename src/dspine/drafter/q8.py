@@ -13,6 +13,8 @@ import copy
 import torch
 from torch import nn
 
+from dspine.config import ConfigError
+
 #: the drafter linears a user may force (``auto`` measures, :mod:`dspine.tune.drafter`)
 DRAFTER_LINEARS = ("float32", "q8")
 
@@ -49,7 +51,7 @@ def quantize_drafter(drafter):
 
     why = q8_unavailable(drafter)
     if why is not None:
-        raise ValueError(f"--drafter-linears q8 cannot run here: {why}")
+        raise ConfigError(f"SpeculativeConfig.drafter_linears 'q8' cannot run here: {why}", field="drafter_linears")
     out = copy.deepcopy(drafter)
     object.__setattr__(out, "_target_embed", drafter._target_embed)  # shared, frozen, not copied
     object.__setattr__(out, "_target_head", drafter._target_head)
@@ -80,5 +82,7 @@ def forced_linears(drafter, kind: str):
         return drafter
     if kind == "q8":
         return quantize_drafter(drafter)
-    raise ValueError(f"--drafter-linears {kind!r} is not a forced choice here; accepted: {', '.join(DRAFTER_LINEARS)} "
-                     f"(auto is measured where the engine is built: dspine.tune.drafter.measured_proposer)")
+    raise ConfigError(f"SpeculativeConfig.drafter_linears {kind!r} is not a forced choice here; accepted: "
+                      f"{', '.join(DRAFTER_LINEARS)} "
+                     f"(auto is measured where the engine is built: dspine.tune.drafter.measured_proposer)",
+                      field="drafter_linears")

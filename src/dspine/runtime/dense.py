@@ -128,13 +128,17 @@ class DenseRuntime:
     """Forward of a dense Llama-family HF model (see module docstring).
 
     Raises:
-        ValueError: the model is not supported (:func:`runtime_support`), naming ``--runtime``.
+        ConfigError: the model is not supported (:func:`runtime_support`), naming
+            ``SpeculativeConfig.runtime``.
     """
 
     def __init__(self, model: nn.Module):
         why = runtime_support(model)
         if why is not None:
-            raise ValueError(f"--runtime dense cannot run this target: {why}; use --runtime hf")
+            from dspine.config import ConfigError
+
+            raise ConfigError(f"SpeculativeConfig.runtime dense cannot run this target: {why}; use "
+                              f"SpeculativeConfig.runtime='hf'", field="runtime")
         self.model = model
         cfg = model.config
         self.inner = model.model

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dspine.config import ConfigError
 from dspine.drafter.q8 import DRAFTER_LINEARS, forced_linears, q8_unavailable, quantize_drafter
 from dspine.tune.choose import Choice, choose_fastest
 
@@ -51,10 +52,12 @@ def plan_drafter_linears(drafter, kind: str = "auto", *, redo: bool = False, tim
     drafter shape), ``float32`` (the drafter as trained) or ``q8`` (forced).
 
     Raises:
-        ValueError: unknown ``kind`` or a forced ``q8`` that cannot run (naming ``--drafter-linears``).
+        ConfigError: unknown ``kind`` or a forced ``q8`` that cannot run (naming
+            ``SpeculativeConfig.drafter_linears``).
     """
     if kind not in ("auto", *DRAFTER_LINEARS):
-        raise ValueError(f"--drafter-linears {kind!r} is unknown; accepted: auto, {', '.join(DRAFTER_LINEARS)}")
+        raise ConfigError(f"SpeculativeConfig.drafter_linears {kind!r} is unknown; accepted: auto, "
+                          f"{', '.join(DRAFTER_LINEARS)}", field="drafter_linears")
     if kind != "auto":
         return forced_linears(drafter, kind), None
     if q8_unavailable(drafter) is not None:
