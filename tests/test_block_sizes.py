@@ -92,8 +92,11 @@ def test_tune_measures_only_rows_the_drafter_has(block):
 
 
 def test_block_size_one_is_refused_by_name():
-    with pytest.raises(ConfigError, match="block-size"):
+    with pytest.raises(ConfigError, match=r"SpeculativeConfig\.block_size") as e:
         DSpineConfig(block_size=1)
+    assert e.value.field == "block_size"
+    from dspine.cli.main import flag_message
+    assert "--block-size" in flag_message(e.value)
 
 
 @pytest.mark.parametrize("target", TARGETS)
