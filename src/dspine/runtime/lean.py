@@ -186,7 +186,7 @@ def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8),
                 cache.rollback(context)
         return best
 
-    def largest() -> int:  # 0: none of ``sizes`` (the limit of the plan's first layer then)
+    def largest() -> int:  # the largest of ``sizes`` that paid, else the plan's first layer's limit
         rows = None
         try:
             for r in sorted(sizes, reverse=True):
@@ -197,7 +197,7 @@ def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8),
                     break
         finally:
             plan.max_rows = rows
-        return rows or 0
+        return rows or plan.first.rows
 
     if timer is None:  # measured once per machine and model shape (cached with its conditions)
         from dspine.runtime.blockq import source_version
@@ -208,10 +208,11 @@ def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8),
             ("V", "vocab_size"), ("h", "hidden_size"), ("ffn", "intermediate_size"), ("layers", "num_hidden_layers")))
         best = cached_measurement(
             f"lean-rows:{shape},sizes={'/'.join(map(str, sizes))},first={plan.first.rows},kernels={source_version()}",
-            largest, valid=lambda v: v == 0 or v in sizes, what="how many rows the lean decode path takes")
+            largest, valid=lambda v: v == plan.first.rows or v in sizes,
+            what="how many rows the lean decode path takes")
     else:
         best = largest()
-    plan.max_rows = best or None
+    plan.max_rows = best
     model._dspine_lean_rows = plan.rows
     plan.max_rows = plan.rows
     return plan.rows
