@@ -40,6 +40,14 @@ def source_version() -> str:
     return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
 
 
+def shape_key(model: nn.Module) -> str:
+    """``V=..,h=..,ffn=..,layers=..`` of ``model.config``: the shape a row-count measurement
+    of its linears depends on (cache keys of :func:`dspine.tune.choose.cached_measurement`)."""
+    cfg = getattr(model, "config", None)
+    return ",".join(f"{k}={getattr(cfg, a, '?')}" for k, a in (
+        ("V", "vocab_size"), ("h", "hidden_size"), ("ffn", "intermediate_size"), ("layers", "num_hidden_layers")))
+
+
 def _build_key() -> str:
     from dspine.tune.machine import machine_key, march
 

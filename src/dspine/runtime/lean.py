@@ -200,14 +200,11 @@ def choose_lean_rows(rt, plan: LeanDecode, sizes: tuple[int, ...] = (32, 17, 8),
         return rows or plan.first.rows
 
     if timer is None:  # measured once per machine and model shape (cached with its conditions)
-        from dspine.runtime.blockq import source_version
+        from dspine.runtime.blockq import shape_key, source_version
         from dspine.tune.choose import cached_measurement
 
-        cfg = model.config
-        shape = ",".join(f"{k}={getattr(cfg, a, '?')}" for k, a in (
-            ("V", "vocab_size"), ("h", "hidden_size"), ("ffn", "intermediate_size"), ("layers", "num_hidden_layers")))
         best = cached_measurement(
-            f"lean-rows:{shape},sizes={'/'.join(map(str, sizes))},first={plan.first.rows},kernels={source_version()}",
+            f"lean-rows:{shape_key(model)},sizes={'/'.join(map(str, sizes))},first={plan.first.rows},kernels={source_version()}",
             largest, valid=lambda v: v == plan.first.rows or v in sizes,
             what="how many rows the lean decode path takes")
     else:

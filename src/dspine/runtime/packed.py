@@ -173,13 +173,10 @@ def set_linear_backend(model: nn.Module, backend: str) -> None:
                               field="linear_backend")
         rows = getattr(model, "_dspine_blockq_rows", None)
         if rows is None:  # how many rows the kernels take here (more go to oneDNN): measured once per machine
-            from dspine.runtime.blockq import source_version
+            from dspine.runtime.blockq import shape_key, source_version
             from dspine.tune.choose import cached_measurement
 
-            cfg = getattr(model, "config", None)
-            shape = ",".join(f"{k}={getattr(cfg, a, '?')}" for k, a in (
-                ("V", "vocab_size"), ("h", "hidden_size"), ("ffn", "intermediate_size"), ("layers", "num_hidden_layers")))
-            key = f"blockq-rows:{shape},max={MAX_ROWS},kernels={source_version()}"
+            key = f"blockq-rows:{shape_key(model)},max={MAX_ROWS},kernels={source_version()}"
             rows = model._dspine_blockq_rows = cached_measurement(
                 key, lambda: choose_rows(model), valid=lambda v: 0 <= v <= MAX_ROWS,
                 what="how many rows the blockq kernels take in the target's linears")

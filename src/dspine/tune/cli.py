@@ -56,7 +56,7 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
             else:  # a damaged entry: shown, never trusted (the next run measures it again)
                 what = "cost curve: unreadable (measured again by the next run)"
         elif key.startswith("profile:"):  # what the cost policy learned: acceptance, not a timing
-            print(f"\n{key}\n  {_profile_line(e)}\n  saved {e.get('saved_at') or '(time not recorded)'}, load "
+            print(f"\n{key}\n  {_profile_line(e)}\n  saved {e.get('measured_at') or '(time not recorded)'}, load "
                   f"average {e.get('loadavg_1m', '?')} (acceptance does not depend on load; the few cycle "
                   f"costs it holds are relearned within a request)")
             continue

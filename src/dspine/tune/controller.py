@@ -99,14 +99,7 @@ def save_profile(policy, key: str, device: str = "cpu") -> None:
     Raises:
         OSError: the cache cannot be written.
     """
-    import os
-    from datetime import datetime, timezone
-
     from dspine.tune import store
+    from dspine.tune.conditions import conditions
 
-    try:
-        la = round(os.getloadavg()[0], 2)
-    except OSError:
-        la = None
-    store.put(key, {**policy.profile(), "saved_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    "loadavg_1m": la}, device)
+    store.put(key, {**policy.profile(), **conditions(None, None)}, device)  # when, under what load
