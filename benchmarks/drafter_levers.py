@@ -8,7 +8,14 @@ trains with the project's own loss (:func:`dspine.train.losses.drafter_losses`: 
 weighted ``exp(-(k-1)/gamma)``, the final stage's K-way CE) and AdamW. The variants take
 turns, one step each, in one process, every variant's CPU time counted on its own: equal
 compute under the same machine load. Each ``--variants`` entry is ``NAME:KEY=VALUE,...``
-with keys ``gamma`` (row weights), ``anchors`` (blocks per sequence) and ``lr``.
+with keys ``gamma`` (row weights), ``anchors`` (blocks per sequence), ``lr``, and the
+capacity keys ``layers`` (drafter depth), ``ffn`` (SwiGLU width) and ``scratch`` (1: a
+fresh random drafter of that shape instead of the start checkpoint). A deeper or wider
+variant that is not ``scratch`` is *grown* from the start checkpoint function-preserving
+(as LLaMA Pro's block expansion): the new layers are inserted before the old ones with
+their attention output, SwiGLU down projection and bridge write at zero (each new layer
+starts as the identity), new SwiGLU units get a zero down projection; so every variant
+starts from exactly the same drafter and only the capacity to move differs.
 
 Rows are measured as in ``drafter_diagnosis.py``: on the target's own greedy answers to the
 first ``--eval-n`` held-out code and chat prompts, the share of answer positions whose rows
@@ -33,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafter_diagnosis import drafter_rows, features, greedy_answers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"gamma": float, "anchors": int, "lr": float}
+KEYS = {"gamma": float, "anchors": int, "lr": float, "layers": int, "ffn": int, "scratch": int}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -41,7 +48,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"--variants {spec!r}: give NAME:KEY=VALUE,...")
-    opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4}
+    opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4, "layers": 0, "ffn": 0, "scratch": 0}
     for kv in filter(None, rest.split(",")):
         k, eq, v = kv.partition("=")
         if k not in KEYS or not eq:
@@ -50,9 +57,60 @@ def parse_variant(spec: str) -> tuple[str, dict]:
             opts[k] = KEYS[k](v)
         except ValueError:
             raise ValueError(f"--variants {spec!r}: {k}={v!r} is not a {KEYS[k].__name__}") from None
-        if not (opts[k] > 0 and math.isfinite(opts[k])):
+        if k == "scratch":
+            if opts[k] not in (0, 1):
+                raise ValueError(f"--variants {spec!r}: scratch must be 0 or 1")
+        elif not (opts[k] > 0 and math.isfinite(opts[k])):
             raise ValueError(f"--variants {spec!r}: {k} must be a positive finite number")
     return name, opts
+
+
+def grown(d0, layers: int, ffn: int, scratch: bool):
+    """A drafter with ``layers`` layers and SwiGLU width ``ffn`` (0: the start's), built from
+    the start drafter ``d0`` (float32, bound to the target).
+
+    ``scratch``: fresh random weights of that shape. Otherwise function-preserving growth:
+    new layers are inserted *before* the old ones (the last layer's bridge read feeds the
+    final stage, so it must stay the old last layer) with ``o_proj``, ``down`` and the
+    bridge ``write`` at zero; extra SwiGLU units get random ``gate``/``up`` rows and zero
+    ``down`` columns. Raises ValueError when asked to shrink.
+    """
+    import dataclasses
+
+    from dspine.drafter.model import DSpineDrafter
+
+    c0 = d0.cfg
+    L, F = layers or c0.num_layers, ffn or c0.ffn
+    if L < c0.num_layers or F < c0.ffn:
+        raise ValueError(f"layers={L}, ffn={F}: growth only (start has {c0.num_layers} layers, ffn {c0.ffn})")
+    cfg = dataclasses.replace(c0, num_layers=L, ffn=F)
+    d = DSpineDrafter(cfg).float()
+    d.bind_target(d0._target_embed, d0._target_head)
+    if scratch:
+        return d
+    new = L - c0.num_layers
+    src = d0.state_dict()
+    with torch.no_grad():
+        for k, v in d.state_dict().items():
+            parts = k.split(".")
+            if parts[0] in ("layers", "read", "write") and parts[1].isdigit():
+                i = int(parts[1])
+                if i < new:  # an inserted layer: identity
+                    if parts[0] == "write" or parts[2:] in (["o_proj", "weight"], ["down", "weight"]):
+                        v.zero_()
+                    continue
+                parts[1] = str(i - new)
+            w = src[".".join(parts)]
+            if w.shape == v.shape:
+                v.copy_(w)
+            elif parts[-2] in ("gate", "up"):  # [ffn, d]: old rows, new rows stay random
+                v[: w.shape[0]].copy_(w)
+            elif parts[-2] == "down":  # [d, ffn]: old columns, new columns zero
+                v.zero_()
+                v[:, : w.shape[1]].copy_(w)
+            else:
+                raise ValueError(f"cannot grow {k}: {tuple(w.shape)} -> {tuple(v.shape)}")
+    return d
 
 
 def main() -> int:
@@ -119,7 +177,10 @@ def main() -> int:
 
     runs = {}
     for name, opts in variants:
-        d = load_drafter(init, target).float().train()
+        d = load_drafter(init, target).float()
+        if opts["layers"] or opts["ffn"] or opts["scratch"]:
+            d = grown(d, opts["layers"], opts["ffn"], bool(opts["scratch"]))
+        d.train()
         params = [p for p in d.parameters() if p.requires_grad]
         runs[name] = dict(opts=opts, d=d, params=params, cpu=0.0, step=0, next_eval=0.0, curve=[], done=False,
                           opt=torch.optim.AdamW(params, lr=opts["lr"], weight_decay=0.01),
@@ -156,7 +217,8 @@ def main() -> int:
             r["opt"].step()
             r["step"] += 1
             r["cpu"] += time.process_time() - c0 + (0.0 if args.no_charge_features else per_row * len(idx))
-    res["runs"] = {name: {"opts": r["opts"], "curve": r["curve"]} for name, r in runs.items()}
+    res["runs"] = {name: {"opts": r["opts"], "trained_params": sum(p.numel() for p in r["params"]),
+                          "curve": r["curve"]} for name, r in runs.items()}
     res["wall_s"] = round(time.time() - t_all, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
