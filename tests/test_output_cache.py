@@ -146,6 +146,27 @@ def test_build_engine_refuses_cache_without_copies():
                                        linear_backend="aten", tree_budget=0))
 
 
+def test_cost_controller_prices_cache_copies_apart_from_prompt_lookup():
+    """The n-gram proposer with a cache plans two sources; the cost controller must keep an
+    estimate for each (a run of rejected prompt-lookup copies must not stop it from trying
+    the long copies of an earlier answer, which are right far more often)."""
+    from dspine.control.cost_curve import CostCurve
+    from dspine.control.per_source import PerSourcePolicy
+
+    curve = CostCurve([1e-3 * (1 + 0.1 * n) for n in range(16)], draft_s=0.0)
+    with_cache = make_proposer("ngram", None, cache_tokens=256)
+    assert with_cache.sources == ["ngram", "cache"]
+    pol = make_policy("cost", proposer=with_cache, cost=curve)
+    assert isinstance(pol, PerSourcePolicy) and set(pol.policies) == {"ngram", "cache"}
+    ngram, cached = pol.policies["ngram"], pol.policies["cache"]
+    for _ in range(40):  # prompt-lookup copies keep failing ...
+        ngram.pooled.update(4, 0)
+    rate = lambda p: p.confidence(p.pooled, 4)[0]  # noqa: E731 (row 1's estimated acceptance)
+    assert rate(ngram) < 0.1 and rate(cached) == pytest.approx(cached.prior_accept)  # ... the cache's is untouched
+    alone = make_proposer("ngram", None)
+    assert alone.sources == ["ngram"] and not isinstance(make_policy("cost", proposer=alone, cost=curve), PerSourcePolicy)
+
+
 # -- greedy equality on the real target --------------------------------------------------------------
 M_REAL = 24
 

@@ -74,7 +74,9 @@ class Proposer:
         block_size: proposals per cycle at most + 1 (the anchor's row).
         needs_features: whether :meth:`commit` needs target features (the engine
             captures ``feature_layers`` of the target only then).
-        source: the name of this proposer's only source (see :class:`Plan`).
+        source: the name of this proposer's default source (see :class:`Plan`).
+        sources: every source :meth:`plan` may name (the cost controller keeps one
+            estimate per source when there are several), the default first.
         feature_layers: the target layers whose outputs :meth:`commit` reads (empty: none).
         offers_alternatives: whether :meth:`plan` chooses among sources with ``pick``.
         supports_tree: whether :meth:`propose_tree` can return a draft tree.
@@ -86,6 +88,11 @@ class Proposer:
     feature_layers: tuple[int, ...] | list[int] = ()
     offers_alternatives: bool = False
     supports_tree: bool = False  # whether :meth:`propose_tree` can return a tree
+
+    @property
+    def sources(self) -> list[str]:
+        """Every source :meth:`plan` may name, the default (:attr:`source`) first."""
+        return [self.source]
 
     def new_state(self, prompt_ids: list[int]):
         return None

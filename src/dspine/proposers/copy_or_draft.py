@@ -128,7 +128,7 @@ class HybridProposer(Proposer):
         copies = ["ngram", "ngram1"] + ([CONTESTED_SOURCE] if self.split_contested else []) \
             + ([CACHE_SOURCE] if self.ngram.cache is not None else [])
         fused = [FUSED_SOURCE] if self.fuse_bonus is not None else []
-        return [getattr(self.drafter_proposer, "source", "draft")] + copies + fused
+        return [self.drafter_proposer.source] + copies + fused
 
     def copy_source(self, match: int, origin: str = "own", contested: bool = False) -> str:
         """The source name of a copy with a suffix match of ``match`` tokens: ``cache`` for a

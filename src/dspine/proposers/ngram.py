@@ -215,6 +215,13 @@ class NgramProposer(Proposer):
                 and reason in ("stop", "length") and out_ids:
             self.cache.add(state.shared.tenant, list(prompt_ids[-self.max_ngram:]) + list(out_ids))
 
+    @property
+    def sources(self) -> list[str]:
+        """``ngram`` (copies of the request's own text), then ``cache`` when there is a
+        cross-request cache: its long copies of earlier answers are right far more often than
+        prompt lookup, so the cost controller prices them apart."""
+        return [self.source] + ([CACHE_SOURCE] if self.cache is not None else [])
+
     def copy_source(self, origin: str) -> str:
         """This proposer's source name for a copy from ``origin`` (``own`` / ``cache``)."""
         return CACHE_SOURCE if origin == "cache" else self.source

@@ -38,12 +38,7 @@ def profile_key(target, proposer) -> str | None:
 
 def _sources(proposer) -> list[str]:
     """The proposer sources a policy has to price, the drafter's (default) first."""
-    if proposer is None:
-        return ["draft"]
-    if getattr(proposer, "ngram", None) is not None and getattr(proposer, "drafter_proposer", None) is not None:
-        return list(getattr(proposer, "sources", None) or
-                    [getattr(proposer.drafter_proposer, "source", "draft"), "ngram", "ngram1"])
-    return [getattr(proposer, "source", "draft")]
+    return ["draft"] if proposer is None else list(proposer.sources)
 
 
 def make_policy(name: str, target=None, proposer=None, n_max: int | None = None,
