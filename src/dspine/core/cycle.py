@@ -178,8 +178,9 @@ class Cycle:
                 ctl.observe_tree(p.tree, [r - 1 for r in o.rows[1:]], verify_s if len(reqs) == 1 else 0.0)
             if eng.proposer is not None:
                 f = feats[i] if feats is not None else None
-                f = f[rows] if f is not None else torch.zeros(len(rows), 0)  # feature-less proposers
-                commits.append((req.draft_state, f, starts[i], inputs[i].tokens[rows].tolist()))
+                sel = rows if p.tree is not None else slice(0, keep)  # a chain keeps a prefix
+                f = f[sel] if f is not None else torch.zeros(len(rows), 0)  # feature-less proposers
+                commits.append((req.draft_state, f, starts[i], inputs[i].tokens[sel].tolist()))
             req.count_acceptance(o.depth, o.accepted)
             req.cycles.append(CycleRecord(o.depth, o.accepted + 1, 0.0, 0.0, 0.0, 0.0, batched=tp.shared,
                                           source=req.source, tree_nodes=o.nodes))  # times below

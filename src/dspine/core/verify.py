@@ -44,12 +44,12 @@ def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor) -> Verdict:
     Accept while ``y_i == argmax p_i``; then emit ``argmax p_i`` at the first mismatch,
     or the bonus ``argmax p_{n+1}``.
     """
-    n = tokens.shape[0]
-    best = torch.argmax(logits, dim=-1)  # [n+1]
+    toks = tokens.tolist()
+    best = torch.argmax(logits[: len(toks) + 1], dim=-1).tolist()  # [n+1]
     a = 0
-    while a < n and int(tokens[a]) == int(best[a]):
+    while a < len(toks) and toks[a] == best[a]:
         a += 1
-    return Verdict(a, int(best[a]))
+    return Verdict(a, best[a])
 
 
 class _LazyRows:
@@ -170,4 +170,4 @@ def verify_proposal(prop, logits: torch.Tensor, sampling: SamplingConfig, gen: t
     else:
         v = verify(prop.tokens, prop.q_probs, prop.q_ids, logits, sampling, gen)
     a = int(v.accepted)
-    return Outcome(a, [int(t) for t in prop.tokens[:a]] + [int(v.token)], list(range(a + 1)), n)
+    return Outcome(a, prop.tokens[:a].tolist() + [int(v.token)], list(range(a + 1)), n)
