@@ -199,3 +199,24 @@ def test_first_run_says_what_it_does_and_json_stays_clean(tmp_path):
     assert "dspine: measuring" in p.stderr and " s)" in p.stderr  # each measurement closes with its time
     again = subprocess.run(p.args, capture_output=True, text=True, env=env, timeout=600)
     assert "first run on this machine" not in again.stderr  # the cache exists now
+
+
+def test_tune_show_says_what_a_cost_curve_is_for(load, capsys):
+    """Cost curves are keyed by a hash; ``--show`` names their target and drafter (none here:
+    the target alone), and an entry without a label still shows (negative control)."""
+    from dspine.cli.main import main
+
+    _COST_CACHE.clear()
+    store.clear()
+    target = load_target("random:llama")
+    measure_cost(target, None, n_max=4)
+    key = _disk_key(target, None, 4, 64, 3)
+    assert main(["tune", "--show"]) == 0
+    shown = capsys.readouterr().out
+    entry = shown[shown.index(key):].split("\n\n")[0]
+    assert "for random:llama float32" in entry and "no drafter" in entry, entry
+    store.put(key, {k: v for k, v in store.get(key).items() if k != "label"})
+    assert main(["tune", "--show"]) == 0
+    entry = capsys.readouterr().out
+    entry = entry[entry.index(key):].split("\n\n")[0]
+    assert "cost curve: plain step" in entry and "for " not in entry

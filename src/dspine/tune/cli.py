@@ -53,6 +53,8 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
             v = e["curve"].get("verify_s")
             if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
                 what = f"cost curve: plain step {v[0] * 1e3:.1f} ms, {len(v) - 1} drafted {v[-1] * 1e3:.1f} ms (verify)"
+                if e.get("label"):  # what it is for (entries written before 2026-12-06 have no label)
+                    what = f"{what}\n  for {e['label']}"
             else:  # a damaged entry: shown, never trusted (the next run measures it again)
                 what = "cost curve: unreadable (measured again by the next run)"
         elif key.startswith("profile:"):  # what the cost policy learned: acceptance, not a timing

@@ -160,7 +160,8 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
         if disk_key is not None:
             from dspine.tune import store
 
-            store.put(disk_key, {"curve": curve.to_dict(), **cond}, str(target.device))
+            store.put(disk_key, {"curve": curve.to_dict(), "label": _label(target, proposer), **cond},
+                      str(target.device))
             curve.meta = {**curve.meta, "cache_key": disk_key, **cond}
     return curve
 
@@ -193,6 +194,18 @@ def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
           f"times, and " + ("the curve is measured again by the next run on a quiet machine" if marked else
                             "the curve was not cached")
           + "; `dspine tune --redo` on an idle machine measures every choice again", file=sys.stderr, flush=True)
+
+
+def _label(target, proposer) -> str:
+    """What a cached cost curve is for, in words (``dspine tune --show``): the target, its
+    dtype, runtime and linear backend, and the drafter (or none: copies cost only the
+    target's verification)."""
+    drafter = getattr(proposer, "drafter", None)
+    what = (f"drafter {drafter.cfg.mode} ({drafter.cfg.num_layers} layers, block {drafter.cfg.block_size})"
+            if drafter is not None else "no drafter (copies, plain steps)")
+    dtype = str(target.dtype).replace("torch.", "")
+    return (f"{target.name} {dtype}, {getattr(target, 'runtime_name', 'hf')} runtime, "
+            f"{getattr(target, 'linear_backend', 'aten')} linears; {what}")
 
 
 def _disk_key(target, proposer, n_max: int, context: int, repeats: int) -> str | None:
