@@ -181,9 +181,13 @@ def shipped_dspine(smol):
 @pytest.mark.slow  # the output cache is opt-in; its distribution tests stay in the default suite
 @pytest.mark.parametrize("name", ["hybrid", "ngram"])
 def test_greedy_equals_ar_with_cache_real_target(smol, shipped_dspine, name):
+    from dspine.control.cost_curve import CostCurve
+
     prop = make_proposer(name, DrafterProposer(shipped_dspine), cache_tokens=4096)
     cache = output_cache_of(prop)
-    pol = make_policy("cost", smol, prop)
+    # a fixed cost curve (verification cheap, as on most CPUs): whether copies are tried must
+    # not depend on a cost measurement taken while the machine is busy
+    pol = make_policy("cost", smol, prop, cost=CostCurve([4e-3 * (1 + 0.1 * n) for n in range(16)], draft_s=2e-3))
     eng = Engine(smol, prop, "dspine", verify_policy=pol)
     cache.add("", [random.Random(1).randrange(smol.vocab_size) for _ in range(500)])  # unrelated text
     prompts = [smol.encode_prompt(t, chat=True) for t in

@@ -198,14 +198,16 @@ class CostModelPolicy(PricedController):
         4, where the flat prior keeps it at 3-token verifications; not the default: no
         consistent gain in time, docs/decisions.md, 2026-12-04)."""
         out = []
-        prior = self.prior_accept
-        for k in range(n_max):
-            ga, gr = self.pooled.counts(k)
-            m = (ga + self.prior_weight * prior) / (gr + self.prior_weight)
-            w = min(gr + self.prior_weight, max(self.global_weight_cap, self.prior_weight))
-            ra, rr = stats.counts(k)
+        prior, pw, depth_prior = self.prior_accept, self.prior_weight, self.depth_prior
+        cap = max(self.global_weight_cap, pw)
+        g_acc, g_risk, r_acc, r_risk = self.pooled.acc, self.pooled.risk, stats.acc, stats.risk
+        for k in range(n_max):  # AcceptanceStats.counts, inlined: this runs every cycle
+            ga, gr = (g_acc[k], g_risk[k]) if k < len(g_risk) else (0.0, 0.0)
+            m = (ga + pw * prior) / (gr + pw)
+            w = min(gr + pw, cap)
+            ra, rr = (r_acc[k], r_risk[k]) if k < len(r_risk) else (0.0, 0.0)
             out.append((ra + w * m) / (rr + w))
-            if self.depth_prior:
+            if depth_prior:
                 prior = out[-1]
         return out
 
