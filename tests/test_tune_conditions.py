@@ -220,3 +220,27 @@ def test_tune_show_says_what_a_cost_curve_is_for(load, capsys):
     entry = capsys.readouterr().out
     entry = entry[entry.index(key):].split("\n\n")[0]
     assert "cost curve: plain step" in entry and "for " not in entry
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_slower_cycles_on_a_busy_machine_keep_a_quiet_curve(load, capsys, busy):
+    """Cycles 3x slower than a curve measured on a quiet machine: while other processes keep
+    the machine busy the curve is kept (the note says why); on a quiet machine the same
+    observation marks it stale (the negative control)."""
+    from dspine.tune.cost import _STALE_WARNED
+
+    _STALE_WARNED.clear()  # warned once per entry and process
+    target = load_target("random:llama")
+    key, real, fed = _stale_cost_fixture(target, 1.0 / 3.0)
+    pol = CostModelPolicy(measure_cost(target, None, n_max=4))
+    pol.STALE_MIN_S = 0.0
+    load["cores"] = 1.5 if busy else 0.0
+    for _ in range(CostModelPolicy.STALE_CYCLES):
+        pol.observe(0, real.verify_s[0])
+    assert pol.stale_ratio == pytest.approx(3.0)
+    err = capsys.readouterr().err
+    assert "3.00x the cached cost curve" in err
+    if busy:
+        assert "the curve is kept" in err and not store.get(key).get("stale")
+    else:
+        assert "measured again by the next run" in err and store.get(key)["stale"]

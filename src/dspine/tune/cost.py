@@ -173,8 +173,11 @@ def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
     """Decoding observed cycles ``ratio`` times the cached curve's cost (median over
     :attr:`CostModelPolicy.STALE_CYCLES` cycles): warn once on stderr and mark the cache
     entry stale, so the next run on a quiet machine measures it again
-    (:func:`dspine.tune.conditions.remeasure`). The policy itself already decides on the
-    observed times."""
+    (:func:`dspine.tune.conditions.remeasure`). Not when cycles are slower while other
+    processes keep the machine busy (:func:`dspine.tune.conditions.others_now` above
+    ``QUIET_CORES``) and the curve was measured quiet: the machine is slower then, not the
+    curve wrong, so it is kept (and the note says why). The policy itself already decides on
+    the observed times."""
     import sys
 
     key = str(cost.meta.get("cache_key") or "")
@@ -185,6 +188,15 @@ def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
     load = cost.meta.get("others_cores")
     how = (f" (measured {when}" + (f" while other processes kept ~{load:.1f} cores busy" if isinstance(load, (int, float)) else "")
            + ")") if when else ""
+    from dspine.tune.conditions import QUIET_CORES, others_now
+
+    busy = others_now() if ratio > 1.0 else None  # slower than measured: is this machine busy now?
+    if busy is not None and busy > QUIET_CORES and not cost.meta.get("provisional"):
+        # the curve was measured on a quiet machine; a busy one is slower, not the curve wrong
+        print(f"dspine: note: cycles take {ratio:.2f}x the cached cost curve{how}: other processes keep "
+              f"~{busy:.1f} cores busy now; the cost policy uses the observed times and the curve is kept",
+              file=sys.stderr, flush=True)
+        return
     marked = False
     if key:
         from dspine.tune import store
