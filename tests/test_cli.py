@@ -70,6 +70,13 @@ def test_unknown_target_subprocess():
     assert r.stdout == ""
 
 
+def test_an_empty_stop_string_is_refused_before_loading(capsys):
+    code, out, err = cli(capsys, "generate", "hi", "--target", "no-such-model-xyz", "--stop", "x", "--stop", "")
+    assert_error(code, err, "--stop ''", "empty")
+    code, out, err = cli(capsys, "generate", "hi", "--target", "no-such-model-xyz", "--stop", "x")
+    assert_error(code, err, "no-such-model-xyz")  # negative control: a real stop string passes this check
+
+
 def test_unknown_target_in_process(capsys):
     code, out, err = cli(capsys, "generate", "hi", "--target", "no-such-model-xyz", "--mode", "ar")
     assert_error(code, err, "no-such-model-xyz", "unknown target")

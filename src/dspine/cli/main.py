@@ -123,6 +123,9 @@ def cmd_generate(args) -> int:
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)  # validated before anything loads
+    if args.stop is not None and any(s == "" for s in args.stop):  # before anything loads
+        raise ValueError("--stop '' is empty: an empty stop string would match before any text; give a "
+                         "non-empty string or leave --stop out")
     for note in ignored_settings(args, sampling):
         print(f"dspine: note: {note}", file=sys.stderr)
     if args.threads:
