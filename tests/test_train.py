@@ -182,7 +182,9 @@ def test_resolve_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
-    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu") == resolve_device("cpu:0")
+    with pytest.raises(ValueError, match="'cpu:1': there is one CPU device"):
+        resolve_device("cpu:1")
     with pytest.raises(ValueError, match="SpeculativeConfig.device cuda: CUDA is not available"):
         resolve_device("cuda")
     with pytest.raises(ValueError, match="SpeculativeConfig.device 'tpu' is unknown"):

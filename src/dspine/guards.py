@@ -110,6 +110,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"SpeculativeConfig.device {name!r} is not supported; accepted: auto, cpu, cuda, cuda:N",
                           field="device")
+    if dev.type == "cpu" and dev.index not in (None, 0):  # torch accepts cpu:N and runs on the same CPU
+        raise ConfigError(f"SpeculativeConfig.device {name!r}: there is one CPU device (use 'cpu'; threads are set "
+                          f"with --threads)", field="device")
+    if dev.type == "cpu":
+        return torch.device("cpu")  # cpu:0 is the CPU
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"SpeculativeConfig.device {name}: CUDA is not available on this machine; "
