@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON to write (default: print only)")
     args = ap.parse_args()
     from dspine.tune import store
+    from dspine.tune.conditions import untrusted_reason
     from dspine.tune.machine import describe, machine_info
 
     out = {"machine": machine_info(), "machine_line": describe(), "curves": {}}
@@ -43,10 +44,16 @@ def main() -> None:
         cycle = [v[n] + (ps[n] if n else 0.0) for n in range(len(v))]
         rows = {f"{p:.1f}": dict(zip(("speed", "n"), speed(cycle, p))) for p in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)}
         p_even = next((p / 100 for p in range(1, 100) if speed(cycle, p / 100)[0] > 1.0), None)
+        why = untrusted_reason(e)  # a busy machine's curve: slower steps, different ratios
         out["curves"][key] = {"measured_at": e.get("measured_at"), "loadavg_1m": e.get("loadavg_1m"),
+                              "trusted": why is None, "untrusted_why": why, "label": e.get("label"),
                               "cycle_ms": [round(x * 1e3, 2) for x in cycle], "by_p": rows, "breakeven_p": p_even}
-        print(f"{key} (measured {e.get('measured_at')}): plain step {cycle[0] * 1e3:.1f} ms, "
+        print(f"{key} (measured {e.get('measured_at')}" + (f"; for {e['label']}" if e.get("label") else "")
+              + f"): plain step {cycle[0] * 1e3:.1f} ms, "
               f"a cycle of 1 / 3 / 15 drafted {cycle[1] * 1e3:.1f} / {cycle[3] * 1e3:.1f} / {cycle[-1] * 1e3:.1f} ms")
+        if why:
+            print(f"  NOT TRUSTED: {why}; the figures below are not this machine's: run `dspine tune --redo` "
+                  f"on an idle machine, then this script again")
         print("  p     " + "  ".join(f"{p:>5}" for p in rows))
         print("  speed " + "  ".join(f"{r['speed']:>4.2f}x" for r in rows.values()))
         print("  at n  " + "  ".join(f"{r['n']:>5}" for r in rows.values()))

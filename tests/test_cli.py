@@ -74,7 +74,7 @@ def test_an_empty_stop_string_is_refused_before_loading(capsys):
     code, out, err = cli(capsys, "generate", "hi", "--target", "no-such-model-xyz", "--stop", "x", "--stop", "")
     assert_error(code, err, "--stop ''", "empty")
     code, out, err = cli(capsys, "generate", "hi", "--target", "no-such-model-xyz", "--stop", "x")
-    assert_error(code, err, "no-such-model-xyz")  # negative control: a real stop string passes this check
+    assert_error(code, err, "unknown target")  # negative control: a real stop string passes this check
 
 
 def test_unknown_target_in_process(capsys):
@@ -82,6 +82,8 @@ def test_unknown_target_in_process(capsys):
     assert_error(code, err, "no-such-model-xyz", "unknown target")
     code, out, err = cli(capsys, "generate", "hi", "--target", "random:gpt9", "--mode", "ar")
     assert_error(code, err, "gpt9")
+    code, out, err = cli(capsys, "generate", "hi", "--target", "no-such-model-xyz")  # the default mode, dspine
+    assert_error(code, err, "no-such-model-xyz", "unknown target")  # not "no shipped drafter for it"
 
 
 def test_vocab_mismatch(capsys, ckpts):

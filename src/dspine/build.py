@@ -76,11 +76,15 @@ def check_drafter_setting(config: SpeculativeConfig) -> str | None:
 
     Raises:
         ConfigError: no shipped drafter, or a missing checkpoint path (field ``drafter``).
+        TargetError: an unknown target name (before the drafter is looked for).
     """
     c = config
     if c.mode == "ar" or c.proposer == "ngram":
         return None
     if c.drafter is None:
+        from dspine.target.registry import check_target_name
+
+        check_target_name(c.target)  # an unknown target says so, not "no shipped drafter for it"
         path = default_drafter_path(c.target, c.mode)
         if path is None:
             raise ConfigError(f"SpeculativeConfig.drafter: no shipped {c.mode} drafter for target {c.target!r}; "

@@ -1,6 +1,6 @@
 """``dspine bench``: compare ar, dflash, dspine, hf and hf-pld (and llama.cpp) under one setup (spec s.10).
 
-The README's results table on this machine (~10 minutes on 2 cores; writes headline.md,
+The README's results table on this machine (4-12 minutes on 2 cores, by CPU; writes headline.md,
 headline.json and headline.png beside the bench's files)::
 
     dspine bench --headline
@@ -135,7 +135,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--headline", action="store_true",
                    help="the README's results table on this machine: held-out code, chat and code-edit prompts; "
                         "ar, the defaults, copies alone, the drafter alone, HF prompt lookup (and llama.cpp when "
-                        "found); writes headline.md/.json/.png (~10 min on 2 cores)")
+                        "found); writes headline.md/.json/.png (4-12 min on 2 cores, by CPU)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny run: 1 prompt per workload, 16 new tokens, greedy, ar+dspine+dflash+hf-pld")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/smoke, "

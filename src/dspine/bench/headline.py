@@ -23,7 +23,7 @@ target, every mode warmed, the mode order rotated per request, greedy ids compar
 Writes, beside the bench's own files (``results.jsonl``, ``summary.json``, ``report.md``,
 plots): ``headline.md`` (the table with its stamp: CPU model and instruction-set class,
 threads, load average before and after, torch, commit, date and the command),
-``headline.json`` (the same numbers) and ``headline.png``. About 8-12 minutes on 2 cores
+``headline.json`` (the same numbers) and ``headline.png``. About 4-12 minutes on 2 cores (4.3 on a Zen 5 class EPYC, 2026-12-06)
 once the first run's measurements are cached (the first run adds 2-4 minutes).
 """
 from __future__ import annotations

@@ -137,6 +137,26 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def check_target_name(name_or_path: str) -> None:
+    """Refuse, before anything is downloaded or loaded, a target that :func:`resolve_target`
+    could never resolve: not ``random:<arch>``, not a named target, not an existing HF
+    directory or ``.gguf`` file.
+
+    Raises:
+        TargetError: as :func:`resolve_target` does for such a name.
+    """
+    p = Path(name_or_path).expanduser()
+    if name_or_path.startswith("random:") or name_or_path in NAMED_TARGETS \
+            or (p.is_dir() and (p / "config.json").exists()) or (p.is_file() and p.suffix == ".gguf"):
+        return
+    raise _unknown(name_or_path)
+
+
+def _unknown(name_or_path: str) -> TargetError:
+    return TargetError(f"unknown target {name_or_path!r}: expected one of {list_targets()}, "
+                       f"an HF model directory with config.json, or a .gguf file")
+
+
 def resolve_target(name_or_path: str) -> Path | str:
     """Map a target setting to a local HF directory (or return ``random:<arch>`` as is).
 
@@ -169,5 +189,4 @@ def resolve_target(name_or_path: str) -> Path | str:
         if not (out_dir / "config.json").exists():
             convert_gguf(p, out_dir)
         return out_dir
-    raise TargetError(f"unknown target {name_or_path!r}: expected one of {list_targets()}, "
-                      f"an HF model directory with config.json, or a .gguf file")
+    raise _unknown(name_or_path)

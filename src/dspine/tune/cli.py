@@ -50,9 +50,13 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
         if not isinstance(e, dict):
             continue
         if "curve" in e and isinstance(e["curve"], dict):
-            v = e["curve"].get("verify_s")
+            v, ps = e["curve"].get("verify_s"), e["curve"].get("propose_s")
             if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
-                what = f"cost curve: plain step {v[0] * 1e3:.1f} ms, {len(v) - 1} drafted {v[-1] * 1e3:.1f} ms (verify)"
+                # a whole cycle (proposing + verifying), as the first run and drafter_breakeven.py print it
+                full = v[-1] + (ps[-1] if isinstance(ps, list) and len(ps) == len(v)
+                                and isinstance(ps[-1], (int, float)) else 0.0)
+                what = (f"cost curve: plain step {v[0] * 1e3:.1f} ms, {len(v) - 1} drafted tokens {full * 1e3:.1f} ms"
+                        + (f" ({v[-1] * 1e3:.1f} ms of it verifying)" if full > v[-1] else ""))
                 if e.get("label"):  # what it is for (entries written before 2026-12-06 have no label)
                     what = f"{what}\n  for {e['label']}"
             else:  # a damaged entry: shown, never trusted (the next run measures it again)
