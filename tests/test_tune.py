@@ -138,12 +138,19 @@ def test_choices_are_cached_per_machine_on_disk(disk_cache):
     assert store.clear(prefix="t:") == 1 and store.get("t:cache") is None
 
 
-def test_damaged_cache_is_measured_again(disk_cache):
+def test_damaged_cache_is_measured_again(disk_cache, capsys):
+    """A damaged cache file is measured again, and set aside (renamed) before the new
+    cache is written, so a one-character typo never loses what it held."""
     p = store.path()
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text("{not json")
+    p.write_text('{"entries": {"t:kept": {"chosen": "b"},}}')  # a trailing comma: not JSON
     c = choose_fastest("t:dmg", {"a": lambda: None}, timer=fake_timer({"a": 1.0}))
     assert c.chosen == "a" and json.loads(p.read_text())["entries"]["t:dmg"]["chosen"] == "a"
+    aside = list(p.parent.glob(f"{p.stem}.damaged-*{p.suffix}"))
+    assert len(aside) == 1 and '"t:kept"' in aside[0].read_text()  # the user's file, unchanged
+    assert "set aside" in capsys.readouterr().err
+    store.put("t:more", {"chosen": "a"})  # a valid cache is not set aside (negative control)
+    assert len(list(p.parent.glob(f"{p.stem}.damaged-*"))) == 1 and store.get("t:dmg") is not None
 
 
 def test_machine_info_names_the_cpu():

@@ -50,12 +50,30 @@ def load(device="cpu") -> dict:
     if not enabled():
         return _MEMORY.setdefault(str(machine_key(device)), {"machine": machine_info(device), "entries": {}})
     try:
-        data = json.loads(path(device).read_text())
+        p = path(device)
+        data = json.loads(p.read_text())
         if isinstance(data, dict) and isinstance(data.get("entries"), dict):
             return data
-    except (OSError, ValueError):
-        pass
+        _set_aside(p, "it is not a dspine tune cache")
+    except ValueError as e:  # a damaged file (or $DSPINE_HOME that cannot be created)
+        if isinstance(e, json.JSONDecodeError) or isinstance(e, UnicodeDecodeError):
+            _set_aside(path(device), f"it is not valid JSON ({e})")
+    except OSError:
+        pass  # none yet, or unreadable: measured again, kept in memory
     return _MEMORY.setdefault("disk:" + machine_key(device), {"machine": machine_info(device), "entries": {}})
+
+
+def _set_aside(p: Path, why: str) -> None:
+    """Rename a damaged cache file to ``<name>.damaged-<UTC time>`` (so the next write does
+    not overwrite what a user may want to repair) and say so once on stderr."""
+    import time
+
+    dest = p.with_name(f"{p.stem}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}{p.suffix}")
+    try:
+        p.replace(dest)
+        _note(f"the tune cache {p} was set aside as {dest.name}: {why}; choices are measured again")
+    except OSError as e:
+        _note(f"the tune cache {p} is damaged ({why}) and could not be set aside ({e}); choices are measured again")
 
 
 def get(key: str, device="cpu") -> dict | None:
