@@ -197,3 +197,22 @@ def test_validated_doc_lists_every_setting():
         assert row, f"docs/validated.md misses {setting!r}"
         assert accepted in row[0]
     assert re.search(r"validate_runtime", text)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("rope_theta", "abc", "rope_theta must be a number"), ("rope_theta", None, "rope_theta must be a number"),
+    ("rms_eps", "abc", "rms_eps must be a number"), ("rms_eps", 0.0, "rms_eps must be positive"),
+    ("feature_layers", 5, "feature_layers must be a list"), ("bridge", "no", "bridge must be true or false"),
+    ("num_layers", True, "num_layers must be a positive int"), ("mode", 3, "mode must be a string"),
+])
+def test_a_damaged_drafter_config_names_the_field(field, value, needle):
+    """A config.json edited by hand (or damaged) is refused naming the field, never a raw
+    TypeError deep in the model; the shipped values pass (the negative control)."""
+    from dspine.config import ConfigError
+
+    good = DSpineConfig().__dict__.copy()
+    assert DSpineConfig.from_dict(good) == DSpineConfig()
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        DSpineConfig.from_dict({**good, field: value})
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        DSpineConfig.from_dict([])

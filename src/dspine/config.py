@@ -73,10 +73,24 @@ class DSpineConfig:
     target_name: str = ""  # target the checkpoint belongs to (informational)
 
     def __post_init__(self) -> None:
+        for f in ("rms_eps", "rope_theta"):  # numbers (a JSON int is fine), never bool or str
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"DSpineConfig.{f} must be a number, got {v!r}")
+        if not (math.isfinite(self.rms_eps) and self.rms_eps > 0):
+            raise ConfigError(f"DSpineConfig.rms_eps must be positive, got {self.rms_eps}")
+        for f in ("bridge", "final_stage", "block_causal", "row_embedding", "qk_norm"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"DSpineConfig.{f} must be true or false, got {getattr(self, f)!r}")
+        for f in ("mode", "target_name"):
+            if not isinstance(getattr(self, f), str):
+                raise ConfigError(f"DSpineConfig.{f} must be a string, got {getattr(self, f)!r}")
+        if not isinstance(self.feature_layers, (list, tuple)):
+            raise ConfigError(f"DSpineConfig.feature_layers must be a list of layer indices, got {self.feature_layers!r}")
         for f in ("target_hidden", "vocab_size", "block_size", "num_layers", "ffn", "num_heads",
                   "num_kv_heads", "head_dim", "window", "code_dim", "msg_dim", "head_topk", "coarse_k"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"DSpineConfig.{f} must be a positive int, got {v!r}")
         if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ConfigError(f"block size must be 2..{MAX_BLOCK_SIZE}, got {self.block_size} "
@@ -144,7 +158,10 @@ class DSpineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DSpineConfig":
-        """Build from a dict; unknown keys raise ConfigError naming them."""
+        """Build from a dict; unknown keys, a value of the wrong type or out of range raise
+        ConfigError naming them."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a drafter config must be a JSON object of DSpineConfig fields, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
