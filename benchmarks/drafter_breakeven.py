@@ -41,6 +41,10 @@ def main() -> None:
         if not key.startswith("cost:") or not isinstance(c, dict) or not c.get("propose_s"):
             continue  # only curves of a drafter (copies propose for free)
         v, ps = c["verify_s"], c["propose_s"]
+        if not (isinstance(v, list) and isinstance(ps, list) and len(v) == len(ps) >= 4
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v + ps)):
+            print(f"{key}: damaged (skipped; the next run measures it again)")
+            continue
         cycle = [v[n] + (ps[n] if n else 0.0) for n in range(len(v))]
         rows = {f"{p:.1f}": dict(zip(("speed", "n"), speed(cycle, p))) for p in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)}
         p_even = next((p / 100 for p in range(1, 100) if speed(cycle, p / 100)[0] > 1.0), None)
@@ -58,6 +62,9 @@ def main() -> None:
         print("  speed " + "  ".join(f"{r['speed']:>4.2f}x" for r in rows.values()))
         print("  at n  " + "  ".join(f"{r['n']:>5}" for r in rows.values()))
         print(f"  drafting beats plain decoding from p = {p_even}")
+    if not out["curves"]:
+        print("no drafter cost curve is cached on this machine" + (" (DSPINE_TUNE is off: nothing is read from disk)"
+              if not store.enabled() else "") + ": run `dspine generate` or `dspine tune` with a drafter first")
     print(out["machine_line"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,10 @@ def main() -> int:
                     "curve read is the one decoding uses, at the machine's default threads)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    for flag, v, lo, hi in (("--n", args.n, 1, None), ("--tokens", args.tokens, 1, None), ("--rows", args.rows, 1, 15),
+                            ("--threads", args.threads, 1, None)):
+        if v < lo or (hi is not None and v > hi):
+            ap.error(f"{flag} {v}: must be " + (f"in {lo}..{hi}" if hi else f">= {lo}"))
     from dspine.build import default_drafter_path
     from dspine.drafter.checkpoint import load_drafter
     from dspine.drafter.vocab import resolve
@@ -100,22 +104,37 @@ def main() -> int:
     from dspine.tune import store
     from dspine.tune.machine import describe
 
-    curves = [(k, e["curve"]) for k, e in sorted(store.load()["entries"].items())
-              if k.startswith("cost:") and isinstance(e, dict) and isinstance(e.get("curve"), dict)
-              and e["curve"].get("propose_s")]
+    from dspine.tune.conditions import untrusted_reason
+
+    # the default engine's curve: the shipped DSpine drafter on the default target in float32
+    want = "smollm2-135m float32"
+    drafting = [(k, e) for k, e in sorted(store.load()["entries"].items())
+                if k.startswith("cost:") and isinstance(e, dict) and isinstance(e.get("curve"), dict)
+                and e["curve"].get("propose_s")]
+    curves = [(k, e) for k, e in drafting
+              if str(e.get("label", "")).startswith(want) and "drafter dspine" in str(e.get("label", ""))]
+    if not curves:  # entries written before 2026-12-06 carry no label: assumed the default engine's
+        curves = [(k, {**e, "label": "(no label: assumed the default engine's)"}) for k, e in drafting
+                  if "label" not in e]
     if not curves:
-        raise SystemExit("drafter_confidence: no drafter cost curve cached on this machine: run `dspine generate` "
-                         "or `dspine tune` first")
-    key, c = curves[0]
+        raise SystemExit(f"drafter_confidence: no cost curve of the DSpine drafter on {want} is cached on this machine: "
+                         f"run `dspine generate` or `dspine tune` with the defaults first")
+    curves.sort(key=lambda kv: (untrusted_reason(kv[1]) is not None, str(kv[1].get("measured_at"))), reverse=False)
+    key, entry = curves[0]
+    c = entry["curve"]
+    print(f"cost curve {key} ({entry['label']}, measured {entry.get('measured_at')})"
+          + (f"; NOT TRUSTED: {untrusted_reason(entry)}" if untrusted_reason(entry) else ""))
     verify_s, propose_s = c["verify_s"], c["propose_s"]
     machine = describe()  # the machine the curve was measured on (its threads: read before ours change)
     torch.set_num_threads(args.threads)
     path = Path(args.drafter or default_drafter_path("smollm2-135m", "dspine"))
+    if not (path / "config.json").is_file():
+        ap.error(f"--drafter {path}: not a drafter checkpoint directory (no config.json)")
     target = load_target("smollm2-135m", dtype="float32")
     d = load_drafter(path, target).float().eval()
     vocab = resolve("auto", str(path), d.cfg.vocab_size, d.cfg.head_topk)
     res = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "drafter": str(path.name),
-           "cost_curve": key, "verify_ms": [round(v * 1e3, 3) for v in verify_s],
+           "cost_curve": key, "cost_curve_label": entry["label"], "cost_curve_trusted": untrusted_reason(entry) is None, "verify_ms": [round(v * 1e3, 3) for v in verify_s],
            "propose_ms": [round(v * 1e3, 3) for v in propose_s], "args": vars(args), "sets": {}}
     for kind in ("code", "chat"):
         seqs = greedy_answers(target, kind, args.n, args.tokens)

@@ -81,7 +81,7 @@ def grown(d0, layers: int, ffn: int, scratch: bool):
 
     c0 = d0.cfg
     L, F = layers or c0.num_layers, ffn or c0.ffn
-    if L < c0.num_layers or F < c0.ffn:
+    if not scratch and (L < c0.num_layers or F < c0.ffn):
         raise ValueError(f"layers={L}, ffn={F}: growth only (start has {c0.num_layers} layers, ffn {c0.ffn})")
     cfg = dataclasses.replace(c0, num_layers=L, ffn=F)
     d = DSpineDrafter(cfg).float()
@@ -134,6 +134,8 @@ def main() -> int:
         variants = [parse_variant(v) for v in args.variants]
     except ValueError as e:
         ap.error(str(e))
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads}: must be >= 1")
     if len({n for n, _ in variants}) < len(variants):
         ap.error("--variants: two variants have the same name")
     torch.set_num_threads(args.threads)
@@ -152,6 +154,11 @@ def main() -> int:
     target.model.requires_grad_(False)  # the drafters share its frozen embedding and head
     ev = {k: greedy_answers(target, k, args.eval_n, args.eval_tokens) for k in ("code", "chat")}
     d0 = load_drafter(init, target)
+    for name, opts in variants:  # growth only: say so now, not after the features are computed
+        if (opts["layers"] and opts["layers"] < d0.cfg.num_layers and not opts["scratch"]) \
+                or (opts["ffn"] and opts["ffn"] < d0.cfg.ffn and not opts["scratch"]):
+            ap.error(f"--variants {name}: layers={opts['layers']}, ffn={opts['ffn']} would shrink the start "
+                     f"({d0.cfg.num_layers} layers, ffn {d0.cfg.ffn}); a smaller drafter needs scratch=1")
     layers = list(d0.cfg.feature_layers)
     ev_f = {k: features(target, v, layers, False) for k, v in ev.items()}
     vocab = resolve("auto", str(init), d0.cfg.vocab_size, d0.cfg.head_topk)
