@@ -86,6 +86,21 @@ def test_key_settings():
         APIKeys({"has space": None})
 
 
+def test_keys_file_comments_and_hashes(tmp_path):
+    """'#' starts a comment at a line's start or after a space; a '#' inside a key is
+    refused (it used to cut the key there, silently); a non-UTF-8 file names the flag."""
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nk1 team1   # the first\n  k2\n")
+    keys = APIKeys.from_settings(None, str(f), env={})
+    assert len(keys) == 2 and keys.tenant("Bearer k1") == "tenant:team1" and keys.tenant("Bearer k2") is not None
+    f.write_text("abc#def team1\n")
+    with pytest.raises(AuthError, match="line 1: '#' inside a key"):
+        APIKeys.from_settings(None, str(f), env={})
+    f.write_bytes(b"k1 \xff\n")
+    with pytest.raises(AuthError, match="--api-keys-file .* is not UTF-8"):
+        APIKeys.from_settings(None, str(f), env={})
+
+
 def test_serve_refuses_an_unreadable_keys_file(capsys, tmp_path):
     code = main(["serve", "--target", MODEL, "--mode", "ar", "--port", "0",
                  "--api-keys-file", str(tmp_path / "missing")])

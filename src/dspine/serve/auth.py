@@ -6,7 +6,8 @@ carry ``Authorization: Bearer <key>``; others get HTTP 401 in the OpenAI error s
 carry no key; neither shows request text). Each key belongs to a *tenant*, named on the
 server side: the cross-request output cache (:mod:`dspine.proposers.cache`) shares copies
 only among requests of one tenant, so a client cannot claim another's tenant by what it
-sends. A keys file holds one ``KEY [TENANT]`` per line (``#`` starts a comment); a key
+sends. A keys file holds one ``KEY [TENANT]`` per line (``#`` at the start of a line or after
+a space starts a comment; a key or tenant holding ``#`` is refused); a key
 without a tenant name is its own tenant (named by a digest of the key, never the key).
 """
 from __future__ import annotations
@@ -76,14 +77,22 @@ class APIKeys:
         out: dict[str, str | None] = {k: None for k in (keys or [])}
         if keys_file:
             try:
-                lines = Path(keys_file).read_text().splitlines()
+                lines = Path(keys_file).read_text(encoding="utf-8").splitlines()
             except OSError as e:
                 raise AuthError(f"--api-keys-file {keys_file}: cannot be read ({e.strerror or e})") from None
+            except UnicodeDecodeError as e:
+                raise AuthError(f"--api-keys-file {keys_file}: is not UTF-8 text ({e.reason} at byte {e.start})") from None
             found = 0
             for i, line in enumerate(lines, 1):
-                line = line.split("#", 1)[0].strip()
-                if not line:
+                line = line.strip()
+                if not line or line.startswith("#"):
                     continue
+                if "#" in line:  # a comment after the fields, or a key holding '#': say which, never guess
+                    head, _, _ = line.partition("#")
+                    if head and not head[-1].isspace():
+                        raise AuthError(f"--api-keys-file {keys_file} line {i}: '#' inside a key or tenant; "
+                                        f"keys must not hold '#' (a comment starts with '#' after a space)")
+                    line = head.strip()
                 parts = line.split()
                 if len(parts) > 2:
                     raise AuthError(f"--api-keys-file {keys_file} line {i}: expected 'KEY [TENANT]', "
