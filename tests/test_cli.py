@@ -378,3 +378,12 @@ def test_generate_help_groups_common_options_first(capsys):
     for flag in ("--head-kernel", "--drafter-linears", "--linear-backend", "--tree-budget"):
         assert body.index("  " + flag) > adv, flag
     assert body.index("  --temperature") < adv and body.index("  --proposer") < adv
+
+
+def test_a_damaged_gguf_target_is_a_clean_error(capsys, tmp_path, monkeypatch):
+    """A cut or foreign .gguf given as --target names the setting, never a struct.error."""
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    code, out, err = cli(capsys, "generate", "hi", "--target", str(bad), "--mode", "ar")
+    assert_error(code, err, "--target", "not a readable GGUF model")

@@ -187,6 +187,12 @@ def resolve_target(name_or_path: str) -> Path | str:
     if p.is_file() and p.suffix == ".gguf":
         out_dir = dspine_home() / "targets" / f"gguf-{sha256_file(p)[:16]}"
         if not (out_dir / "config.json").exists():
-            convert_gguf(p, out_dir)
+            import struct
+
+            try:
+                convert_gguf(p, out_dir)
+            except (struct.error, ValueError, KeyError, IndexError, EOFError) as e:  # a damaged or cut file
+                raise TargetError(f"SpeculativeConfig.target {name_or_path}: not a readable GGUF model "
+                                  f"({type(e).__name__}: {e})", field="target") from None
         return out_dir
     raise _unknown(name_or_path)
