@@ -10,6 +10,7 @@ verification cost curve the cost policy starts from. ``--redo`` measures everyth
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from dspine.argtypes import positive_int, thread_count
@@ -44,7 +45,11 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
                          default=str))
         return 0
     print(f"machine: {describe(device)}")
-    print(f"cache:   {store.path(device)} ({len(entries)} measurements)")
+    if not store.enabled():  # the file is neither read nor written: its path and count would mislead
+        print(f"cache:   off (DSPINE_TUNE={os.environ.get('DSPINE_TUNE')}): this process's {len(entries)} "
+              f"measurements only; the file {store.path(device)} is not read")
+    else:
+        print(f"cache:   {store.path(device)} ({len(entries)} measurements)")
     for key in sorted(entries):
         e = entries[key]
         if not isinstance(e, dict):
