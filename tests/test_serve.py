@@ -244,6 +244,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\n", ""]}, 400, "stop"),  # an empty stop: refused, not dropped
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),

@@ -104,7 +104,9 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences are supported")
         if any(len(s) > MAX_STOP_LEN for s in stops):
             raise ValueError(f"stop sequences are limited to {MAX_STOP_LEN} characters")
-        return [s for s in stops if s]
+        if any(s == "" for s in stops):  # as `dspine generate --stop ''`: refused, never dropped silently
+            raise ValueError("an empty stop sequence would match before any text; leave it out")
+        return stops
 
     @field_validator("n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of")
     @classmethod
