@@ -63,7 +63,7 @@ def cmd_serve(args) -> int:
     target, engine = build_engine(config_from_args(args, concurrency=args.max_running, persist=True), progress=True)
     batch = BatchEngine(engine, args.max_running)
     name = args.served_model_name or args.target
-    drafter = "-" if args.mode == "ar" else (args.drafter or "shipped default")
+    drafter = "-" if args.mode == "ar" or args.proposer == "ngram" else (args.drafter or "shipped default")  # copies need none
     policy = args.verify_policy if args.mode != "ar" else "-"
     info = {"mode": args.mode, "target": args.target, "drafter": drafter, "dtype": args.dtype,
             "verify_policy": policy, "proposer": args.proposer if args.mode != "ar" else "-",
