@@ -119,7 +119,7 @@ def main() -> int:
     if not curves:
         raise SystemExit(f"drafter_confidence: no cost curve of the DSpine drafter on {want} is cached on this machine: "
                          f"run `dspine generate` or `dspine tune` with the defaults first")
-    curves.sort(key=lambda kv: (untrusted_reason(kv[1]) is not None, str(kv[1].get("measured_at"))), reverse=False)
+    curves.sort(key=lambda kv: untrusted_reason(kv[1]) is not None)  # a trusted curve first
     key, entry = curves[0]
     c = entry["curve"]
     print(f"cost curve {key} ({entry['label']}, measured {entry.get('measured_at')})"

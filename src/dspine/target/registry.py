@@ -149,12 +149,8 @@ def check_target_name(name_or_path: str) -> None:
     if name_or_path.startswith("random:") or name_or_path in NAMED_TARGETS \
             or (p.is_dir() and (p / "config.json").exists()) or (p.is_file() and p.suffix == ".gguf"):
         return
-    raise _unknown(name_or_path)
-
-
-def _unknown(name_or_path: str) -> TargetError:
-    return TargetError(f"unknown target {name_or_path!r}: expected one of {list_targets()}, "
-                       f"an HF model directory with config.json, or a .gguf file")
+    raise TargetError(f"unknown target {name_or_path!r}: expected one of {list_targets()}, "
+                      f"an HF model directory with config.json, or a .gguf file")
 
 
 def resolve_target(name_or_path: str) -> Path | str:
@@ -164,6 +160,7 @@ def resolve_target(name_or_path: str) -> Path | str:
         TargetError: the name is neither known nor an existing path.
         AssetError: the pinned download or checksum failed.
     """
+    check_target_name(name_or_path)  # the one place that says which settings can resolve
     if name_or_path.startswith("random:"):
         return name_or_path
     if name_or_path in NAMED_TARGETS:
@@ -182,17 +179,16 @@ def resolve_target(name_or_path: str) -> Path | str:
                                       "source": spec.hf_name}, indent=2))
         return out_dir
     p = Path(name_or_path).expanduser()
-    if p.is_dir() and (p / "config.json").exists():
+    if p.is_dir():  # with a config.json (check_target_name)
         return p
-    if p.is_file() and p.suffix == ".gguf":
-        out_dir = dspine_home() / "targets" / f"gguf-{sha256_file(p)[:16]}"
-        if not (out_dir / "config.json").exists():
-            import struct
+    # a .gguf file: all that is left after check_target_name
+    out_dir = dspine_home() / "targets" / f"gguf-{sha256_file(p)[:16]}"
+    if not (out_dir / "config.json").exists():
+        import struct
 
-            try:
-                convert_gguf(p, out_dir)
-            except (struct.error, ValueError, KeyError, IndexError, EOFError) as e:  # a damaged or cut file
-                raise TargetError(f"SpeculativeConfig.target {name_or_path}: not a readable GGUF model "
-                                  f"({type(e).__name__}: {e})", field="target") from None
-        return out_dir
-    raise _unknown(name_or_path)
+        try:
+            convert_gguf(p, out_dir)
+        except (struct.error, ValueError, KeyError, IndexError, EOFError) as e:  # a damaged or cut file
+            raise TargetError(f"SpeculativeConfig.target {name_or_path}: not a readable GGUF model "
+                              f"({type(e).__name__}: {e})", field="target") from None
+    return out_dir

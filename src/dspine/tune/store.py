@@ -55,11 +55,10 @@ def load(device="cpu") -> dict:
         if isinstance(data, dict) and isinstance(data.get("entries"), dict):
             return data
         _set_aside(p, "it is not a dspine tune cache")
-    except ValueError as e:  # a damaged file (or $DSPINE_HOME that cannot be created)
-        if isinstance(e, json.JSONDecodeError) or isinstance(e, UnicodeDecodeError):
-            _set_aside(path(device), f"it is not valid JSON ({e})")
-    except OSError:
-        pass  # none yet, or unreadable: measured again, kept in memory
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a damaged file
+        _set_aside(path(device), f"it is not valid JSON ({e})")
+    except (OSError, ValueError):  # none yet or unreadable, or a $DSPINE_HOME that cannot be created
+        pass  # measured again, kept in memory
     return _MEMORY.setdefault("disk:" + machine_key(device), {"machine": machine_info(device), "entries": {}})
 
 
