@@ -416,6 +416,11 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert "lr None" in write_model_card(run / "final").read_text()  # optional fields left out, no crash
     (run / "final" / "card.json").write_text(json.dumps({**card, "train_config": {"min_lr_ratio": "0"}}))
     assert "cosine down" not in write_model_card(run / "final").read_text()  # not a number: not stated
+    grown = {**card, "train_config": {**card["train_config"], "lr_schedule": "constant"},
+             "data_history": [{"step": 0, "sequences": 40}, {"step": 2, "sequences": 60}]}
+    (run / "final" / "card.json").write_text(json.dumps(grown))
+    text = write_model_card(run / "final").read_text()
+    assert "(constant after warmup)" in text and "40 sequences from step 0, 60 sequences from step 2" in text
     (run / "final" / "card.json").write_text(json.dumps({k: v for k, v in card.items() if k != "target"}))
     with pytest.raises(ValueError, match="card.json lacks target"):
         write_model_card(run / "final")
@@ -628,3 +633,75 @@ def test_a_resumed_run_continues_as_if_never_stopped(tmp_path):
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     for k, v in whole.model.state_dict().items():
         assert torch.allclose(v, b.model.state_dict()[k], atol=1e-6), k
+
+
+def test_a_run_resumes_on_grown_data_and_keeps_one_schedule(tmp_path, capsys):
+    """Training that lasts across working periods: a run stopped at step 6 resumes on data
+    grown by rows appended after the old ones (as `dspine data build --resume` adds a
+    shard), draws from the new rows from then on, and a second stop on the grown data
+    changes nothing (the losses of steps 7-12 equal one resume's); data that changed any
+    earlier row is refused. With --lr-schedule constant, extending --steps changes no
+    step's learning rate."""
+    tg = load_target("random:llama", vocab_size=256)
+    old, new = _seqs(), _seqs() + _seqs(n=8, seed=1)
+    tc = dict(save_every=100, lr=1e-2, lr_schedule="constant", warmup=2)
+
+    def first_six(out):
+        a = Trainer(tg, _cfg(tg), old, out, _tc(steps=6, **tc))
+        losses = [a.train_step()["loss"] for _ in range(6)]
+        a.save()
+        return losses
+
+    first_six(tmp_path / "once")
+    once = Trainer(tg, _cfg(tg), new, tmp_path / "once", _tc(steps=12, **tc))
+    assert once.resume() and once.step == 6
+    assert "grew from 8 to 16 sequences" in capsys.readouterr().err
+    assert once.data_history == [{"step": 0, "sequences": 8}, {"step": 6, "sequences": 16}]
+    want = [once.train_step() for _ in range(6)]
+    assert any(i >= 8 for s in range(6, 12) for i in once.batch_for_step(s)[1])  # the new rows are drawn
+    assert {r["lr"] for r in want} == {1e-2}  # constant after warmup, whatever --steps says
+
+    first_six(tmp_path / "twice")
+    b = Trainer(tg, _cfg(tg), new, tmp_path / "twice", _tc(steps=9, **tc))
+    assert b.resume() and "grew from 8 to 16" in capsys.readouterr().err
+    got = [b.train_step() for _ in range(3)]
+    b.save()
+    c = Trainer(tg, _cfg(tg), new, tmp_path / "twice", _tc(steps=12, **tc))
+    assert c.resume() and c.step == 9
+    assert "grew" not in capsys.readouterr().err
+    assert c.data_history == once.data_history  # the growth is recorded once
+    got += [c.train_step() for _ in range(3)]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5, abs=1e-6)
+    assert [r["lr"] for r in got] == [r["lr"] for r in want]
+
+    # a checkpoint written before data_history existed resumes on grown data the same way
+    first_six(tmp_path / "legacy")
+    st = torch.load(tmp_path / "legacy" / "ckpt" / "trainer.pt", weights_only=False)
+    del st["data_history"], st["data_sequences"]
+    torch.save(st, tmp_path / "legacy" / "ckpt" / "trainer.pt")
+    assert Trainer(tg, _cfg(tg), new, tmp_path / "legacy", _tc(steps=12, **tc)).resume()
+
+    # not grown but changed: an edited old row, old rows reordered, or fewer rows
+    edited = [(list(old[0][0][:-1]) + [(old[0][0][-1] + 1) % 256], old[0][1])] + old[1:] + _seqs(n=8, seed=1)
+    for bad in (edited, old[::-1] + _seqs(n=8, seed=1), old[:-2]):
+        with pytest.raises(ValueError, match="other --data.*appended after the old ones"):
+            Trainer(tg, _cfg(tg), bad, tmp_path / "legacy", _tc(steps=12, **tc)).resume()
+
+
+def test_cosine_resume_with_other_steps_says_the_schedule_changes(tmp_path, capsys):
+    from dspine.train.losses import cosine_lr
+
+    assert cosine_lr(50, 100, 10, 1.0, schedule="constant") == cosine_lr(50, 10_000, 10, 1.0, schedule="constant") == 1.0
+    assert cosine_lr(50, 100, 10, 1.0) != cosine_lr(50, 10_000, 10, 1.0)
+    with pytest.raises(ValueError, match="--lr-schedule"):
+        cosine_lr(5, 10, 1, 1.0, schedule="linear")
+    with pytest.raises(ValueError, match="--lr-schedule"):
+        _tc(lr_schedule="linear")
+    tg = load_target("random:llama", vocab_size=256)
+    tr = Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=4))
+    tr.train_step()
+    tr.save()
+    assert Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=8)).resume()
+    assert "the cosine schedule now ends at step 8" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="trained with --lr-schedule 'cosine'"):
+        Trainer(tg, _cfg(tg), _seqs(), tmp_path, _tc(steps=8, lr_schedule="constant")).resume()

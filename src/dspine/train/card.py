@@ -31,9 +31,11 @@ def _data_summary(data_dirs) -> str:
     return " plus ".join(parts) if parts and "?" not in kinds else "data of unknown kind"
 
 
-def _schedule(ratio) -> str:
-    """The learning-rate schedule's end for the model card (--min-lr-ratio); empty when
-    the card does not record a number."""
+def _schedule(ratio, schedule: str = "cosine") -> str:
+    """The learning-rate schedule for the model card (--lr-schedule, --min-lr-ratio); empty
+    when the card does not record a number."""
+    if schedule == "constant":
+        return "(constant after warmup)"
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
         return ""
     return "(cosine down to 0)" if ratio == 0 else f"(cosine down to {ratio:g} x lr)"
@@ -84,6 +86,7 @@ def write_model_card(ckpt: str | Path) -> Path:
             raise ValueError(f"{ckpt / name} lacks {', '.join(missing)}; cannot render the model card")
     acc = c.get("heldout_acceptance_greedy_fp32") or {}
     tc = c.get("train_config") or {}
+    sched = {**TrainerCheckpoints.LEGACY_DEFAULTS, **tc}
     total = c.get("total_steps") or c.get("steps")
     total_wall = c.get("total_wall_time_s") or c.get("wall_time_s")
     lines = [
@@ -101,9 +104,13 @@ def write_model_card(ckpt: str | Path) -> Path:
         *([f"- ran: {_card_command(cmd)}" for cmd in c.get("data_commands") or []]),
         f"- steps: {c.get('steps')} (batch {tc.get('batch_size')} sequences x {tc.get('anchors_per_seq')} anchors, "
         f"max length {tc.get('max_len')}, lr {tc.get('lr')} "
-        f"{_schedule({**TrainerCheckpoints.LEGACY_DEFAULTS, **tc}['min_lr_ratio'] if tc else None)}, "
+        f"{_schedule(sched['min_lr_ratio'], sched['lr_schedule']) if tc else ''}, "
         f"warmup {tc.get('warmup')}, vocab subset "
         f"{_subset_text(tc.get('vocab_subset'), cfg.get('vocab_size'))}, bf16 autocast {tc.get('autocast_bf16')})",
+        *([f"- the data grew during the run: " + ", ".join(f"{h.get('sequences')} sequences from step {h.get('step')}"
+                                                          for h in c["data_history"])]
+          if isinstance(c.get("data_history"), list) and len(c["data_history"]) > 1
+          and all(isinstance(h, dict) for h in c["data_history"]) else []),
         *([f"- soft labels: the target's top {tc['soft_topk']} next-token probabilities, weight "
            f"{tc.get('soft_weight')} in each row's CE"] if tc.get("soft_topk") else []),
         *([f"- stopped by --time-limit {tc.get('time_limit')} s at step {c.get('steps')} of {tc.get('steps')} "

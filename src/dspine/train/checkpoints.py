@@ -41,7 +41,8 @@ class TrainerCheckpoints:
         torch.save({"opt": self.opt.state_dict(), "step": self.step, "wall": self.wall,
                     "subset": self.subset, "train_config": asdict(self.tc),
                     "init_source": self.init_source,
-                    "init_adapted": self.init_adapted, "data_fingerprint": self.data_fingerprint()},
+                    "init_adapted": self.init_adapted, "data_fingerprint": self.data_fingerprint(),
+                    "data_sequences": len(self.seqs), "data_history": self.data_history},
                    tmp / "trainer.pt.part")
         (tmp / "trainer.pt.part").rename(tmp / "trainer.pt")  # marks ckpt.tmp complete
         shutil.rmtree(old, ignore_errors=True)
@@ -76,7 +77,7 @@ class TrainerCheckpoints:
                 return
 
     # settings added after checkpoints were written: what those checkpoints trained with
-    LEGACY_DEFAULTS = {"min_lr_ratio": 0.1, "soft_topk": 0, "soft_weight": 0.5}
+    LEGACY_DEFAULTS = {"min_lr_ratio": 0.1, "soft_topk": 0, "soft_weight": 0.5, "lr_schedule": "cosine"}
     # settings a resumed run may change (how long, how often to save / evaluate, where, and
     # the dtype the target computes features in: a speed choice measured per machine,
     # `--feature-dtype auto`, that must not stop a run moved to another CPU)
@@ -85,7 +86,8 @@ class TrainerCheckpoints:
     _FLAGS = {"batch_size": "--batch-size", "anchors_per_seq": "--anchors", "max_len": "--max-len",
               "lr": "--lr", "min_lr_ratio": "--min-lr-ratio", "warmup": "--warmup",
               "vocab_subset": "--vocab-subset", "seed": "--seed", "feature_dtype": "--feature-dtype", "autocast_bf16": "--bf16-autocast",
-              "soft_topk": "--soft-labels", "soft_weight": "--soft-weight", "gamma": "--gamma"}
+              "soft_topk": "--soft-labels", "soft_weight": "--soft-weight", "gamma": "--gamma",
+              "lr_schedule": "--lr-schedule"}
 
     def resume(self) -> bool:
         """Load ``ckpt/`` if present; returns True when resumed, False when no checkpoint
@@ -129,10 +131,29 @@ class TrainerCheckpoints:
                                  f"has {now[k]!r}; resume with the same setting or start a new --out "
                                  f"(--init-from {ck} warm-starts the weights with a fresh optimizer)")
         fp = st.get("data_fingerprint")
+        history = st.get("data_history")
         if fp is not None and fp != self.data_fingerprint():
-            raise ValueError(f"--resume: {ck} was trained on other --data (sha256 of the sequences "
-                             f"{fp[:12]}, this run {self.data_fingerprint()[:12]}); resume with the same "
-                             f"--data list or start a new --out (--init-from {ck} warm-starts the weights)")
+            from dspine.train.feature_store import grown_from
+
+            n_old = grown_from(self.seqs, self.tc.max_len, fp)
+            if n_old is None:
+                raise ValueError(f"--resume: {ck} was trained on other --data (sha256 of the sequences "
+                                 f"{fp[:12]}, this run {self.data_fingerprint()[:12]}); resume with the same "
+                                 f"--data list, or with data that grew only by rows appended after the old "
+                                 f"ones (`dspine data build --resume` into the last --data directory), or "
+                                 f"start a new --out (--init-from {ck} warm-starts the weights)")
+            history = (history or [{"step": 0, "sequences": n_old}]) + [{"step": st["step"], "sequences": len(self.seqs)}]
+            if self.rank == 0:
+                print(f"note: --resume: the training data grew from {n_old} to {len(self.seqs)} sequences (the "
+                      f"first {n_old} unchanged); steps from {st['step'] + 1} on draw from all of them. The "
+                      f"--vocab-subset stays the one counted on the first data", file=sys.stderr)
+        self.data_history = history or [{"step": 0, "sequences": len(self.seqs)}]
+        if (now["lr_schedule"] == "cosine" and saved_tc.get("steps") not in (None, now["steps"])
+                and self.rank == 0):
+            print(f"note: --resume with --steps {now['steps']} (the run was planned for {saved_tc['steps']}): "
+                  f"the cosine schedule now ends at step {now['steps']}, so the learning rate of the remaining "
+                  f"steps changes; a run extended period after period trains with --lr-schedule constant",
+                  file=sys.stderr)
         try:
             weights = load_file(str(ck / "model.safetensors"))
         except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)

@@ -71,6 +71,7 @@ def cmd_train(args) -> int:
             print(f"--feature-dtype auto -> {args.feature_dtype}", file=sys.stderr, flush=True)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                      max_len=args.max_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup=args.warmup,
+                     lr_schedule=args.lr_schedule,
                      seed=args.seed, save_every=args.save_every,
                      eval_every=args.eval_every, eval_prompts=args.eval_prompts, vocab_subset=args.vocab_subset,
                      feature_dtype=args.feature_dtype,
@@ -118,6 +119,7 @@ def cmd_train(args) -> int:
         card = {"target": args.target, "mode": cfg.mode, "data": [str(d) for d in args.data],
                 "data_summary": _data_summary(args.data),
                 "data_sequences": len(seqs), "data_response_tokens": sum(len(s) - r for s, r in seqs),
+                **({"data_history": tr.data_history} if len(tr.data_history) > 1 else {}),
                 "steps": tr.step, **({"stopped_by_time_limit": True} if tr.stopped_early else {}),
                 "train_config": json.loads(json.dumps(tc.__dict__)),
                 "wall_time_s": round(tr.wall, 1), "world_size": world,
@@ -259,6 +261,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--min-lr-ratio", type=unit_float, default=0.1,
                    help="the cosine schedule ends at this fraction of --lr (0 = decay to zero)")
+    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"],
+                   help="after --warmup: cosine decay to --min-lr-ratio x --lr at --steps (default), or "
+                        "constant --lr, for a run extended period after period with --resume --steps "
+                        "(no step's rate depends on where the run will end)")
     p.add_argument("--warmup", type=nonneg_int, default=50)
     p.add_argument("--vocab-subset", type=nonneg_int, default=8192, help="CE over the N most frequent tokens (0 = all)")
     p.add_argument("--time-limit", type=positive_float, default=None, metavar="SECONDS",

@@ -42,6 +42,21 @@ def data_fingerprint(seqs: list[tuple[list[int], int]], max_len: int) -> str:
     return h.hexdigest()[:32]
 
 
+def grown_from(seqs: list[tuple[list[int], int]], max_len: int, fingerprint: str) -> int | None:
+    """The ``n`` for which the first ``n`` sequences have :func:`data_fingerprint`
+    ``fingerprint``, or None: the size of the data a run trained on, when this data grew from
+    it by rows appended at the end (``dspine data build --resume`` adds a shard after the
+    others). One pass over the ids; the hash state is copied at each sequence boundary.
+    """
+    h = hashlib.sha256()
+    for n, (s, _) in enumerate(seqs, start=1):
+        h.update(np.asarray(s[:max_len], dtype=np.int32).tobytes())
+        h.update(b"|")
+        if h.copy().hexdigest()[:32] == fingerprint:
+            return n
+    return None
+
+
 def seq_hash(ids: list[int], max_len: int) -> str:
     """Content key of one sequence: sha256 of its first ``max_len`` ids (int32), 20 hex."""
     return hashlib.sha256(np.asarray(ids[:max_len], dtype=np.int32).tobytes()).hexdigest()[:20]

@@ -33,7 +33,8 @@ from dspine.drafter.vocab import frequent_tokens  # noqa: F401 (re-exported for 
 from dspine.guards import resolve_device
 from dspine.drafter.model import DSpineDrafter
 from dspine.train.checkpoints import TrainerCheckpoints
-from dspine.train.losses import collate, cosine_lr, drafter_losses, sample_anchors, target_topk, weight_sum
+from dspine.train.losses import (LR_SCHEDULES, collate, cosine_lr, drafter_losses, sample_anchors, target_topk,
+                                 weight_sum)
 
 
 class TrainingDiverged(ValueError):
@@ -50,6 +51,7 @@ class TrainConfig:
     max_len: int = 384
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio * lr (0 = to zero)
+    lr_schedule: str = "cosine"  # or "constant" after warmup: open-ended runs extended by --resume --steps
     weight_decay: float = 0.01
     warmup: int = 50
     grad_clip: float = 1.0
@@ -75,6 +77,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{f} must be positive, got {getattr(self, f)}")
         if not (self.lr >= 0 and math.isfinite(self.lr)):  # 0 is allowed here (frozen-weights checks)
             raise ValueError(f"TrainConfig.lr (--lr) must be a finite number >= 0, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"TrainConfig.lr_schedule (--lr-schedule) must be one of {', '.join(LR_SCHEDULES)}, "
+                             f"got {self.lr_schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_ratio (--min-lr-ratio) must be in [0, 1], got {self.min_lr_ratio}")
         if not self.soft_topk:  # unused without soft labels: one value, so resuming never trips on it
@@ -167,6 +172,9 @@ class Trainer(TrainerCheckpoints):
         self.init_source: str | None = None  # checkpoint the weights were warm-started from
         self.init_adapted: dict | None = None  # what an architecture-adapting warm start changed
         self.wall = 0.0
+        # the data size from each step on: [{"step": 0, "sequences": n}, ...]; --resume appends
+        # an entry when the data grew (rows appended after the old ones)
+        self.data_history: list[dict] = [{"step": 0, "sequences": len(seqs)}]
 
     def log(self, rec: dict) -> None:
         if self.rank == 0:
@@ -250,7 +258,7 @@ class Trainer(TrainerCheckpoints):
 
     def train_step(self) -> dict:
         tc = self.tc
-        lr = cosine_lr(self.step, tc.steps, tc.warmup, tc.lr, floor=tc.min_lr_ratio)
+        lr = cosine_lr(self.step, tc.steps, tc.warmup, tc.lr, floor=tc.min_lr_ratio, schedule=tc.lr_schedule)
         for g in self.opt.param_groups:
             g["lr"] = lr
         seqs, idx = self.batch_for_step(self.step)

@@ -241,10 +241,25 @@ def final_stage_loss(drafter: DSpineDrafter, out, z: torch.Tensor, tgt: torch.Te
     return (ce * w * ok).sum() / ((w * ok).sum().clamp_min(1.0) if wsum is None else wsum)
 
 
-def cosine_lr(step: int, total: int, warmup: int, base: float, floor: float = 0.1) -> float:
-    """Learning rate at ``step``: linear warmup over ``warmup`` steps to ``base``, then cosine
-    decay to ``floor * base`` at ``total`` (``--min-lr-ratio``; 0 decays to zero)."""
+LR_SCHEDULES = ("cosine", "constant")
+
+
+def cosine_lr(step: int, total: int, warmup: int, base: float, floor: float = 0.1,
+              schedule: str = "cosine") -> float:
+    """Learning rate at ``step``: linear warmup over ``warmup`` steps to ``base``, then
+    (``schedule`` "cosine") cosine decay to ``floor * base`` at ``total`` (``--min-lr-ratio``;
+    0 decays to zero), or (``schedule`` "constant") ``base`` from then on, whatever ``total``
+    is: the open-ended schedule of a run that each working period extends with
+    ``--resume --steps`` (the rate of a step never depends on where the run will end).
+
+    Raises:
+        ValueError: an unknown ``schedule`` (names ``--lr-schedule``).
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr-schedule {schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
     if step < warmup:
         return base * (step + 1) / warmup
+    if schedule == "constant":
+        return base
     t = min(1.0, (step - warmup) / max(1, total - warmup))
     return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
