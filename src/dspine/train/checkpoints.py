@@ -123,37 +123,7 @@ class TrainerCheckpoints:
             raise ValueError(f"--resume: {ck / 'trainer.pt'} is damaged or not a dspine trainer state "
                              f"({type(e).__name__}: {e}); start a new --out, or --init-from a drafter "
                              f"checkpoint") from None
-        now = asdict(self.tc)
-        saved_tc = {**self.LEGACY_DEFAULTS, **(st.get("train_config") or {})}
-        for k, v in saved_tc.items():
-            if k not in self._RESUMABLE and k in now and now[k] != v:
-                raise ValueError(f"--resume: {ck} was trained with {self._FLAGS.get(k, k)} {v!r}, this run "
-                                 f"has {now[k]!r}; resume with the same setting or start a new --out "
-                                 f"(--init-from {ck} warm-starts the weights with a fresh optimizer)")
-        fp = st.get("data_fingerprint")
-        history = st.get("data_history")
-        if fp is not None and fp != self.data_fingerprint():
-            from dspine.train.feature_store import grown_from
-
-            n_old = grown_from(self.seqs, self.tc.max_len, fp)
-            if n_old is None:
-                raise ValueError(f"--resume: {ck} was trained on other --data (sha256 of the sequences "
-                                 f"{fp[:12]}, this run {self.data_fingerprint()[:12]}); resume with the same "
-                                 f"--data list, or with data that grew only by rows appended after the old "
-                                 f"ones (`dspine data build --resume` into the last --data directory), or "
-                                 f"start a new --out (--init-from {ck} warm-starts the weights)")
-            history = (history or [{"step": 0, "sequences": n_old}]) + [{"step": st["step"], "sequences": len(self.seqs)}]
-            if self.rank == 0:
-                print(f"note: --resume: the training data grew from {n_old} to {len(self.seqs)} sequences (the "
-                      f"first {n_old} unchanged); steps from {st['step'] + 1} on draw from all of them. The "
-                      f"--vocab-subset stays the one counted on the first data", file=sys.stderr)
-        self.data_history = history or [{"step": 0, "sequences": len(self.seqs)}]
-        if (now["lr_schedule"] == "cosine" and saved_tc.get("steps") not in (None, now["steps"])
-                and self.rank == 0):
-            print(f"note: --resume with --steps {now['steps']} (the run was planned for {saved_tc['steps']}): "
-                  f"the cosine schedule now ends at step {now['steps']}, so the learning rate of the remaining "
-                  f"steps changes; a run extended period after period trains with --lr-schedule constant",
-                  file=sys.stderr)
+        self.adopt_run(st, where=str(ck), option="--resume")
         try:
             weights = load_file(str(ck / "model.safetensors"))
         except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
@@ -166,6 +136,50 @@ class TrainerCheckpoints:
         self.init_source = st.get("init_source")
         self.init_adapted = st.get("init_adapted")
         return True
+
+    def adopt_run(self, st: dict, where: str, option: str) -> None:
+        """Check that this run may continue the saved run ``st`` (its ``train_config``,
+        ``data_fingerprint``, ``data_history`` and ``step``) and take its data history.
+
+        Settings outside :attr:`_RESUMABLE` must be equal; the data must be the same
+        sequences, or grow by sequences appended after the old ones (recorded in
+        :attr:`data_history`; steps from the saved one on draw from all of them).
+
+        Raises:
+            ValueError: another setting or other data, each named (``option`` and ``where``
+                say which state was being continued).
+        """
+        now = asdict(self.tc)
+        saved_tc = {**self.LEGACY_DEFAULTS, **(st.get("train_config") or {})}
+        for k, v in saved_tc.items():
+            if k not in self._RESUMABLE and k in now and now[k] != v:
+                raise ValueError(f"{option}: {where} was trained with {self._FLAGS.get(k, k)} {v!r}, this run "
+                                 f"has {now[k]!r}; continue with the same setting or start a new --out "
+                                 f"(--init-from warm-starts the weights with a fresh optimizer)")
+        fp = st.get("data_fingerprint")
+        history = st.get("data_history")
+        if fp is not None and fp != self.data_fingerprint():
+            from dspine.train.feature_store import grown_from
+
+            n_old = grown_from(self.seqs, self.tc.max_len, fp)
+            if n_old is None:
+                raise ValueError(f"{option}: {where} was trained on other --data (sha256 of the sequences "
+                                 f"{fp[:12]}, this run {self.data_fingerprint()[:12]}); continue with the same "
+                                 f"--data list, or with data that grew only by rows appended after the old "
+                                 f"ones (`dspine data build --resume` into the last --data directory), or "
+                                 f"start a new --out (--init-from warm-starts the weights)")
+            history = (history or [{"step": 0, "sequences": n_old}]) + [{"step": st["step"], "sequences": len(self.seqs)}]
+            if self.rank == 0:
+                print(f"note: {option}: the training data grew from {n_old} to {len(self.seqs)} sequences (the "
+                      f"first {n_old} unchanged); steps from {st['step'] + 1} on draw from all of them. The "
+                      f"--vocab-subset stays the one counted on the first data", file=sys.stderr)
+        self.data_history = history or [{"step": 0, "sequences": len(self.seqs)}]
+        if (now["lr_schedule"] == "cosine" and saved_tc.get("steps") not in (None, now["steps"])
+                and self.rank == 0):
+            print(f"note: {option} with --steps {now['steps']} (the run was planned for {saved_tc['steps']}): "
+                  f"the cosine schedule now ends at step {now['steps']}, so the learning rate of the remaining "
+                  f"steps changes; a run extended period after period trains with --lr-schedule constant",
+                  file=sys.stderr)
 
     def init_from(self, path: str | Path) -> None:
         """Warm-start the weights from a drafter checkpoint directory (fresh optimizer).

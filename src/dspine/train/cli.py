@@ -49,6 +49,9 @@ def cmd_train(args) -> int:
 
     if args.engine_compatible and args.mode != "dflash":  # before loading anything
         _drafter_config(args, None)
+    if args.continue_from and args.init_from:
+        raise ValueError("--continue-from continues an exported run (its weights and schedule); --init-from "
+                         "starts a new one from a drafter's weights: give one of the two")
     if args.soft_weight is not None and not args.soft_labels:
         raise ValueError("--soft-weight applies to soft labels only: add --soft-labels K (e.g. 8) or drop --soft-weight")
     device = resolve_device(args.device)
@@ -95,10 +98,14 @@ def cmd_train(args) -> int:
             print(f"feature store {args.feature_store}: {len(store)}/{len(seqs)} sequences precomputed")
     tr = Trainer(target, cfg, seqs, out, tc, eval_fn=eval_fn, feature_store=store)
     t0 = time.time()
-    tr.run(resume=args.resume, init_from=args.init_from)
+    tr.run(resume=args.resume, init_from=args.init_from, continue_from=args.continue_from,
+           rebuild_steps=args.rebuild_moments)
     if rank == 0:
         final = out / "final"
         save_drafter(tr.model, final, dtype=torch.bfloat16)
+        from dspine.train.portable import write_state
+
+        write_state(tr, final)  # with the weights: what --continue-from needs on another machine
         if tr.subset is not None:  # the ids the CE pushed: the candidate pass scores only these
             from dspine.drafter.vocab import coverage, save_draft_vocab
 
@@ -126,6 +133,7 @@ def cmd_train(args) -> int:
                 "hardware": _hardware(device),
                 "heldout_acceptance_greedy_fp32": acc,
                 **_warm_start_fields(tr.init_source, tr.step, tr.wall),
+                **({"continued_from": str(args.continue_from)} if args.continue_from else {}),
                 **({"init_adapted": tr.init_adapted} if tr.init_adapted else {}),
                 "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (final / "card.json").write_text(json.dumps(card, indent=2))
@@ -294,6 +302,14 @@ def add_train_parser(sub) -> None:
                    help="warm-start weights from a drafter checkpoint dir (same config, or one that differs "
                         "only in --engine-compatible's q/k norm and row embedding: tensors are copied by "
                         "name, new ones start at their init); ignored on --resume")
+    p.add_argument("--continue-from", default=None, metavar="DIR",
+                   help="continue the run that exported the drafter in DIR (its trainer.json: step, "
+                        "schedule, data; e.g. a committed checkpoint, on another machine), with the "
+                        "optimizer's moments rebuilt; the same settings and data (or data grown by "
+                        "appended rows) are required; ignored on --resume when --out holds a checkpoint")
+    p.add_argument("--rebuild-moments", type=nonneg_int, default=64, metavar="K",
+                   help="with --continue-from: rebuild AdamW's moments from the gradients of the K "
+                        "steps before the saved one (default 64)")
     p.add_argument("--feature-store", default=None,
                    help="precomputed target features (`dspine train-features`) for exactly this --data/--max-len")
     p.set_defaults(func=cmd_train)

@@ -257,13 +257,33 @@ class Trainer(TrainerCheckpoints):
         return torch.stack(rows).float()
 
     def train_step(self) -> dict:
+        """One optimizer step on the batch of ``self.step`` (then ``self.step`` += 1).
+
+        Raises:
+            TrainingDiverged: the loss or gradients are not finite (nothing applied).
+        """
         tc = self.tc
         lr = cosine_lr(self.step, tc.steps, tc.warmup, tc.lr, floor=tc.min_lr_ratio, schedule=tc.lr_schedule)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        seqs, idx = self.batch_for_step(self.step)
+        losses, gn = self.gradients(self.step)
+        self.opt.step()
+        self.step += 1
+        return {"step": self.step, "lr": lr, "loss": float(losses["loss"].detach()), "ce": float(losses["ce"]),
+                "fs": float(losses["fs"]), "acc1": float(losses["acc1"]), "grad_norm": float(gn)}
+
+    def gradients(self, step: int) -> tuple[dict, torch.Tensor]:
+        """Clipped gradients (in ``p.grad``, averaged over ranks) of the loss on the batch of
+        ``step``, as the optimizer step of ``step`` sees them; returns (losses, grad norm
+        before clipping). Deterministic in (seed, step, number of sequences).
+
+        Raises:
+            TrainingDiverged: the loss or gradients are not finite.
+        """
+        tc = self.tc
+        seqs, idx = self.batch_for_step(step)
         batch = collate(seqs, tc.max_len)
-        gen = torch.Generator().manual_seed(tc.seed * 7919 + self.step * 31)
+        gen = torch.Generator().manual_seed(tc.seed * 7919 + step * 31)
         u = torch.rand(tc.batch_size, tc.anchors_per_seq, generator=gen, dtype=torch.float64)
         per = tc.batch_size // self.world
         anchors = sample_anchors(batch, tc.anchors_per_seq, None, u[self.rank * per:(self.rank + 1) * per])
@@ -296,27 +316,34 @@ class Trainer(TrainerCheckpoints):
                 off += p.numel()
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         if not math.isfinite(float(gn)):  # NaN/inf loss or gradients; identical on every rank
-            raise TrainingDiverged(f"step {self.step + 1}: the loss ({float(losses['loss'].detach())}) or its "
+            raise TrainingDiverged(f"step {step + 1}: the loss ({float(losses['loss'].detach())}) or its "
                                    f"gradients are not finite; lower --lr (now {tc.lr:g}) or check the data. "
                                    f"Nothing of this step was applied; checkpoints written before it stay valid")
-        self.opt.step()
-        self.step += 1
-        return {"step": self.step, "lr": lr, "loss": float(losses["loss"].detach()), "ce": float(losses["ce"]),
-                "fs": float(losses["fs"]), "acc1": float(losses["acc1"]), "grad_norm": float(gn)}
+        return losses, gn
 
-    def run(self, resume: bool = False, init_from: str | Path | None = None) -> Path:
+    def run(self, resume: bool = False, init_from: str | Path | None = None,
+            continue_from: str | Path | None = None, rebuild_steps: int = 64) -> Path:
         """Train to ``tc.steps``; saves every ``save_every`` steps and at the end.
 
-        ``resume`` continues ``out/ckpt`` when present; otherwise ``init_from`` (a drafter
-        checkpoint directory) warm-starts the weights.
+        ``resume`` continues ``out/ckpt`` when present (exactly); otherwise ``continue_from``
+        (an exported drafter with ``trainer.json``) continues that run's schedule with
+        rebuilt optimizer moments (:mod:`dspine.train.portable`), or ``init_from`` (a
+        drafter checkpoint directory) warm-starts the weights.
         """
         resumed = resume and self.resume()
         if resumed and self.rank == 0:
             print(f"resumed from step {self.step}")
         elif resume and self.rank == 0:
-            print(f"note: --resume: no checkpoint in {self.out / 'ckpt'} yet; starting at step 0",
-                  file=sys.stderr)
-        if not resumed and init_from:
+            print(f"note: --resume: no checkpoint in {self.out / 'ckpt'} yet; "
+                  + ("continuing the exported run" if continue_from else "starting at step 0"), file=sys.stderr)
+        if not resumed and continue_from:
+            from dspine.train.portable import continue_from as continue_run
+
+            continue_run(self, continue_from, rebuild_steps)
+            if self.rank == 0:
+                print(f"continuing {continue_from} from step {self.step} (optimizer moments rebuilt from "
+                      f"{min(rebuild_steps, self.step)} steps)", file=sys.stderr)
+        elif not resumed and init_from:
             self.init_from(init_from)
         tc = self.tc
         bar = tqdm(total=tc.steps, initial=self.step, desc=f"train {self.cfg.mode}", disable=self.rank != 0)
