@@ -262,6 +262,10 @@ def test_every_kernel_gives_the_exact_top_candidates(tiny256, kernel):
     ref = candidates(d, x, 4, 64, None)
     got = candidates(d, x, 4, 64, cp)
     assert torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values)
+    # exact float32 scores (blockq on the head's blocks, the float32 head itself) keep their
+    # own top candidates; rounded ones (int8, bfloat16) are rescored on H
+    assert cp.exact_for(x) == (kernel in ("exact", "blockq"))
+    assert not cp.exact_for(x.to(torch.bfloat16))
 
 
 def q8_exact(w: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,8 @@ ROW_BUCKETS = (1, 4, 16, 64)
 class DenseHead:
     """A copy of H [V, d] in ``dtype`` for the coarse pass (2*V*d bytes in bfloat16)."""
 
+    exact = False  # rounded scores: the candidates are rescored on H
+
     def __init__(self, head: torch.Tensor, dtype: torch.dtype):
         self.dtype = dtype
         self.w = head.detach().to(dtype).contiguous()  # [V, d]
@@ -57,6 +59,8 @@ class ExactHead:
 
     def __init__(self, head: torch.Tensor, owned: bool = False):
         self.w, self.owned = head, owned
+        # float32 scores of a float32 H are the rescoring's own: no second pass
+        self.exact = head.dtype == torch.float32
 
     def nbytes(self) -> int:
         return self.w.numel() * self.w.element_size() if self.owned else 0
@@ -74,6 +78,8 @@ class BlockQHead:
         ConfigError: H is not stored in exact blocks, or the kernels cannot be built here
             (naming ``SpeculativeConfig.head_kernel`` blockq).
     """
+
+    exact = True  # float32 products on H's own blocks: the exact scores (summed in another order)
 
     def __init__(self, head: torch.Tensor):
         from dspine.runtime import blockq
@@ -158,6 +164,12 @@ class CandidatePass:
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Approximate ``x @ H.T``: x [m, d] float -> [m, V] float32, by the kernel of m's bucket."""
         return self.kernels[self.kernel_for(x.shape[0])].scores(x)
+
+    def exact_for(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`scores` of ``x`` [m, d] are H's exact float32 scores (``blockq`` on
+        H's own blocks, or ``exact`` on a float32 H with float32 ``x``), so the final stage
+        keeps its top candidates without rescoring them (:func:`dspine.drafter.final_stage.candidates`)."""
+        return x.dtype == torch.float32 and bool(getattr(self.kernels[self.kernel_for(x.shape[0])], "exact", False))
 
     def nbytes(self) -> int:
         """Bytes of the kernels' own copies of H (the exact kernel adds none)."""

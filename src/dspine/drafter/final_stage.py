@@ -50,6 +50,10 @@ class QuantizedHead:
         t = self.q if self.fp8 else self.q_t
         return t.numel() * t.element_size() + self.scale.numel() * 4
 
+    def exact_for(self, x: torch.Tensor) -> bool:
+        """Never: rounded scores, rescored on H (:func:`candidates`)."""
+        return False
+
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Approximate ``x @ H.T``: x [m, d] float -> [m, V] float32."""
         x = x.float()
@@ -69,7 +73,8 @@ def candidates(drafter: DSpineDrafter, x: torch.Tensor, k: int, k_coarse: int,
     """Top-``k`` candidate ids per row of normed states x [m, d] -> [m, k] int64.
 
     With ``qhead``: coarse top-``k_coarse`` by the quantized head, then exact rescoring
-    of those with H, keep ``k``; a ``qhead`` over a draft vocabulary (its ``ids``,
+    of those with H, keep ``k`` (a pass whose scores are exact, ``qhead.exact_for(x)``, keeps
+    its own top ``k``: the same ids up to near-ties); a ``qhead`` over a draft vocabulary (its ``ids``,
     :mod:`dspine.drafter.vocab`) proposes only those ids. Without: exact head over the full
     vocabulary.
     """
@@ -77,8 +82,11 @@ def candidates(drafter: DSpineDrafter, x: torch.Tensor, k: int, k_coarse: int,
     if qhead is None:
         return torch.topk(x @ H.to(x.dtype).T, k, dim=-1).indices
     scores = qhead.scores(x)  # [m, V] (or [m, Vs] over a draft vocabulary)
-    coarse = torch.topk(scores, min(k_coarse, scores.shape[1]), dim=-1).indices  # [m, Kc]
     ids = getattr(qhead, "ids", None)
+    if qhead.exact_for(x):  # the pass's scores are already exact: no rescoring
+        top = torch.topk(scores, min(k, scores.shape[1]), dim=-1).indices  # [m, k]
+        return top if ids is None else ids[top]
+    coarse = torch.topk(scores, min(k_coarse, scores.shape[1]), dim=-1).indices  # [m, Kc]
     if ids is not None:  # columns of a draft vocabulary -> target ids (dspine.drafter.vocab)
         coarse = ids[coarse]
     exact = torch.einsum("md,mkd->mk", x, H[coarse].to(x.dtype))  # [m, Kc]
