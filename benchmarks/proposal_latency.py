@@ -1,0 +1,121 @@
+"""What one drafter proposal costs, two commits side by side.
+
+A proposal of n tokens is the drafter's block forward over n + 1 rows, the candidate pass
+and the final stage's conditional tables, then the serial chain
+(``DrafterProposer.propose``). On fast CPUs this latency is paid in every cycle that
+drafts, before the verification knows whether the drafter was right, so it decides
+whether drafting pays as much as the drafter's acceptance does (docs/decisions.md).
+
+Each commit runs in its own process (``PYTHONPATH`` = that checkout's ``src``),
+alternating, ``--rounds`` times, with the default target and shipped DSpine drafter on
+``--threads`` threads; the median wall time of ``--reps`` proposals per n is reported,
+with a plain one-token target step for scale and the machine stamp. The kernels are the
+ones the engine picks here (``--head-kernel auto``: the cached per-machine measurement,
+the same for both commits) unless ``--head-kernel`` forces one.
+
+    python benchmarks/proposal_latency.py --old /path/to/old/checkout --new . \\
+        --out benchmarks/drafter-diagnosis/proposal-latency-<cpu-class>-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHILD = r'''
+import json, statistics, sys, time, torch
+threads, reps, kernel = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(threads)
+from dspine.build import build_engine
+from dspine.config import SamplingConfig, SpeculativeConfig
+target, eng = build_engine(SpeculativeConfig(proposer="drafter", head_kernel=kernel))
+prop = eng.proposer
+V, ctx = target.vocab_size, 256
+ids = (torch.arange(1, ctx + 1) * 7919 % (V - 1) + 1)[None]
+cache = target.new_cache()
+out = target.forward(ids, cache, list(prop.feature_layers), logits_to_keep=1)
+state = prop.new_state(ids[0].tolist())
+prop.commit(state, out.features[0], 0)
+res = {}
+for n in (1, 2, 3, 4, 8, 15):
+    ts = []
+    for r in range(reps + 3):
+        t0 = time.perf_counter()
+        prop.propose(state, int(ids[0, -1]), ctx, n, SamplingConfig(), None)
+        if r >= 3:
+            ts.append(time.perf_counter() - t0)
+    res[f"propose n={n}"] = statistics.median(ts) * 1e3
+ts = []
+for r in range(reps // 4 + 2):
+    t0 = time.perf_counter()
+    target.forward(ids[:, -1:], cache, list(prop.feature_layers))
+    ts.append(time.perf_counter() - t0)
+    cache.rollback(ctx)
+res["target plain step"] = statistics.median(ts[2:]) * 1e3
+res["kernels"] = prop.kernel_info()
+print(json.dumps(res))
+'''
+
+
+def run_child(src: Path, threads: int, reps: int, kernel: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    res = subprocess.run([sys.executable, "-c", CHILD, str(threads), str(reps), kernel], env=env,
+                         capture_output=True, text=True, check=False)
+    if res.returncode:
+        raise SystemExit(f"proposal_latency: the run with {src} failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", required=True, help="checkout of the earlier commit (its src/ is used)")
+    ap.add_argument("--new", default=".", help="checkout of the later commit (default: this one)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each checkout")
+    ap.add_argument("--reps", type=int, default=200, help="proposals timed per n and run")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head-kernel", default="auto", help="auto (the engine's measured choice) or a kernel name")
+    ap.add_argument("--out", default=None, help="JSON to write (default: print only)")
+    a = ap.parse_args(argv)
+    for name in ("rounds", "reps", "threads"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be >= 1")
+    sides = {"old": Path(a.old).resolve(), "new": Path(a.new).resolve()}
+
+    def commit(path: Path) -> str:
+        git = lambda *c: subprocess.run(["git", "-C", str(path), *c], capture_output=True, text=True).stdout.strip()  # noqa: E731
+        return git("rev-parse", "--short", "HEAD") + (" (with local changes)" if git("status", "--porcelain", "src") else "")
+
+    commits = {k: commit(v) for k, v in sides.items()}
+    load0 = os.getloadavg()[0]
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    for r in range(a.rounds):
+        for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            runs[k].append(run_child(sides[k] / "src", a.threads, a.reps, a.head_kernel))
+            print(f"round {r + 1}/{a.rounds} {k}: { {s: round(v, 3) for s, v in runs[k][-1].items() if s != 'kernels'} }",
+                  file=sys.stderr, flush=True)
+    keys = [s for s in runs["old"][0] if s != "kernels"]
+    med = {k: {s: round(statistics.median(x[s] for x in v), 4) for s in keys} for k, v in runs.items()}
+    sys.path.insert(0, str(sides["new"] / "src"))
+    from dspine.tune.machine import describe
+
+    result = {"what": "median wall time (ms) of one DrafterProposer.propose of n tokens (greedy; default target, "
+                      "shipped DSpine drafter), and of a plain one-token target step for scale",
+              "machine": describe("cpu"), "threads": a.threads,
+              "load_1m_start": round(load0, 2), "load_1m_end": round(os.getloadavg()[0], 2),
+              "date": time.strftime("%Y-%m-%d"), "commits": commits, "head_kernel": a.head_kernel,
+              "kernels": {k: v[0]["kernels"] for k, v in runs.items()}, "ms": med,
+              "new_over_old": {s: round(med["new"][s] / med["old"][s], 3) for s in keys}}
+    print(json.dumps(result, indent=2))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
