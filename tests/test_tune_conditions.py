@@ -34,6 +34,7 @@ def load(monkeypatch):
     state = {"cores": 0.0}
     monkeypatch.setattr(conditions.LoadMeter, "others_cores", property(lambda self: state["cores"]))
     monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: state["cores"])
+    monkeypatch.setattr(conditions, "others_since", lambda mark, min_s=0.2: state["cores"])
     return state
 
 
@@ -244,3 +245,21 @@ def test_slower_cycles_on_a_busy_machine_keep_a_quiet_curve(load, capsys, busy):
         assert "the curve is kept" in err and not store.get(key).get("stale")
     else:
         assert "measured again by the next run" in err and store.get(key)["stale"]
+
+
+def test_others_since_reads_the_window_without_waiting(monkeypatch):
+    """The stale-curve check reads how busy other processes kept the machine since the
+    curve was handed to the engine, without pausing decoding; with no mark (or a mark too
+    recent) it falls back to a 0.3 s sample."""
+    import time as _time
+
+    mark = conditions.load_mark()
+    mark.t0 -= 1.0  # as if the engine had decoded for a second
+    t0 = _time.perf_counter()
+    got = conditions.others_since(mark)
+    assert _time.perf_counter() - t0 < 0.1
+    assert got is None or got >= 0.0
+    calls = []
+    monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: calls.append(1) or 0.25)
+    assert conditions.others_since(None) == 0.25 and conditions.others_since(conditions.load_mark()) == 0.25
+    assert len(calls) == 2

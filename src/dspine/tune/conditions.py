@@ -58,9 +58,26 @@ class LoadMeter:
 
 
 def others_now(interval_s: float = 0.3) -> float | None:
-    """Cores kept busy by other processes over the next ``interval_s`` seconds."""
+    """Cores kept busy by other processes over the next ``interval_s`` seconds (blocks)."""
     with LoadMeter() as m:
         time.sleep(interval_s)
+    return m.others_cores
+
+
+def load_mark() -> LoadMeter:
+    """A started :class:`LoadMeter` for :func:`others_since` (nothing is waited for)."""
+    return LoadMeter().__enter__()
+
+
+def others_since(mark: LoadMeter | None, min_s: float = 0.2) -> float | None:
+    """Cores kept busy by other processes since ``mark`` (:func:`load_mark`), without
+    waiting; :func:`others_now` (a 0.3 s sample) when there is no mark or less than
+    ``min_s`` seconds passed since it."""
+    if mark is None or time.perf_counter() - mark.t0 < min_s:
+        return others_now()
+    m = LoadMeter()
+    m.s0, m.t0 = mark.s0, mark.t0
+    m.__exit__(None, None, None)
     return m.others_cores
 
 

@@ -67,7 +67,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
            id(drafter) if drafter is not None else id(proposer), context, getattr(target, "linear_backend", "aten"),
            getattr(target, "runtime_name", "hf"), getattr(getattr(target, "runtime", None), "decode_path", None))
     if use_cache and key in _COST_CACHE:
-        return _COST_CACHE[key]
+        return _marked(_COST_CACHE[key])
     disk_key = _disk_key(target, proposer, n_max, context, repeats) if use_cache else None
     if disk_key is not None:
         from dspine.tune import store
@@ -83,7 +83,7 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
                               **{k: hit[k] for k in ("measured_at", "loadavg_1m", "others_cores", "spread",
                                                      "provisional", "stale") if k in hit}}
                 _COST_CACHE[key] = curve
-                return curve
+                return _marked(curve)
             except (KeyError, TypeError, ValueError):
                 pass  # an unreadable entry is measured again
     t_start = time.perf_counter()
@@ -163,10 +163,20 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
             store.put(disk_key, {"curve": curve.to_dict(), "label": _label(target, proposer), **cond},
                       str(target.device))
             curve.meta = {**curve.meta, "cache_key": disk_key, **cond}
-    return curve
+    return _marked(curve)
 
 
 _STALE_WARNED: set[str] = set()
+# id(curve) -> (curve, load mark taken when the curve was handed to an engine): the window
+# over which flag_stale_curve reads how busy other processes kept the machine
+_LOAD_MARKS: dict[int, tuple[CostCurve, object]] = {}
+
+
+def _marked(curve: CostCurve) -> CostCurve:
+    from dspine.tune.conditions import load_mark
+
+    _LOAD_MARKS[id(curve)] = (curve, load_mark())
+    return curve
 
 
 def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
@@ -174,8 +184,8 @@ def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
     :attr:`CostModelPolicy.STALE_CYCLES` cycles): warn once on stderr and mark the cache
     entry stale, so the next run on a quiet machine measures it again
     (:func:`dspine.tune.conditions.remeasure`). Not when cycles are slower while other
-    processes keep the machine busy (:func:`dspine.tune.conditions.others_now` above
-    ``QUIET_CORES``) and the curve was measured quiet: the machine is slower then, not the
+    processes keep the machine busy (:func:`dspine.tune.conditions.others_since` the curve
+    was handed to the engine, above ``QUIET_CORES``; no pause) and the curve was measured quiet: the machine is slower then, not the
     curve wrong, so it is kept (and the note says why). The policy itself already decides on
     the observed times."""
     import sys
@@ -188,9 +198,12 @@ def flag_stale_curve(cost: CostCurve, ratio: float) -> None:
     load = cost.meta.get("others_cores")
     how = (f" (measured {when}" + (f" while other processes kept ~{load:.1f} cores busy" if isinstance(load, (int, float)) else "")
            + ")") if when else ""
-    from dspine.tune.conditions import QUIET_CORES, others_now
+    from dspine.tune.conditions import QUIET_CORES, others_since
 
-    busy = others_now() if ratio > 1.0 else None  # slower than measured: is this machine busy now?
+    # slower than measured: did other processes keep the machine busy while it decoded? (read
+    # over the decoding so far, without pausing it)
+    mark = _LOAD_MARKS.get(id(cost), (None, None))
+    busy = others_since(mark[1] if mark[0] is cost else None) if ratio > 1.0 else None
     if busy is not None and busy > QUIET_CORES and not cost.meta.get("provisional"):
         # the curve was measured on a quiet machine; a busy one is slower, not the curve wrong
         print(f"dspine: note: cycles take {ratio:.2f}x the cached cost curve{how}: other processes keep "
