@@ -253,6 +253,8 @@ BAD = [
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [True, 1.0]}, 400, "prompt"),  # not token ids (were read as [1, 1])
+    ("/v1/completions", {"prompt": [[1, 2.5]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4096}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
@@ -117,7 +117,8 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # token ids are JSON integers: true or 1.0 is refused, not read as 1 (strict)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
     suffix: str | None = None
 
