@@ -128,10 +128,9 @@ def cmd_generate(args) -> int:
                          "non-empty string or leave --stop out")
     for note in ignored_settings(args, sampling):
         print(f"dspine: note: {note}", file=sys.stderr)
-    if args.threads:
-        import torch
+    from dspine.tune.threads import choose_threads
 
-        torch.set_num_threads(args.threads)
+    choose_threads(args.threads, progress=not args.no_progress)
     target, engine = build_engine(config_from_args(args, persist=True), progress=not args.no_progress)
     ids = target.encode_prompt(args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -271,7 +270,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (CUDA when available)")
     g.add_argument("--threads", type=thread_count, default=0,
-                   help="torch CPU threads (default 0: torch's own choice, every core)")
+                   help="torch CPU threads (default 0: one per core, less the cores other processes keep busy when it starts (measured for 0.3 s; OMP_NUM_THREADS also chooses))")
     add_drafter_kernel_args(g)
     add_target_runtime_args(g)
     add_target_weights_arg(g)

@@ -28,7 +28,7 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
                         "already in --out when resuming; bfloat16 is faster on some CPUs but changes "
                         "greedy answers")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
-    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: all)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: one per core, less the cores other processes keep busy when it starts (measured for 0.3 s; OMP_NUM_THREADS also chooses))")
     p.add_argument("--resume", action="store_true", help="continue a directory, skipping done ids")
     p.add_argument("--shard", default="0/1",
                    help="k/N: build only prompts i %% N == k of the stream (N processes, N --out dirs)")
@@ -44,6 +44,10 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_build(args) -> int:
+    from dspine.tune.threads import choose_threads
+
+    if args.device in ("cpu", "auto"):  # a thread per core only where the other processes leave them free
+        args.threads = choose_threads(args.threads or 0, progress=not args.no_progress)
     man = build_dataset(args.target, args.prompts, args.out, max_prompts=args.max_prompts,
                         max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size or (8 if args.generator == "engine" else 32),

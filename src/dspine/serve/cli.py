@@ -31,9 +31,9 @@ def cmd_serve(args) -> int:
         raise EngineError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise EngineError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+    from dspine.tune.threads import choose_threads
+
+    choose_threads(args.threads)
     from dspine.cli.main import DEFAULT_VERIFY_POLICY, config_from_args, proposer_notes, tree_notes
 
     notes = list(proposer_notes(args)) + tree_notes(args)
@@ -149,7 +149,7 @@ def add_serve_parser(sub) -> None:
 
     add_tree_args(p, DEFAULT_SERVE_TREE_BUDGET)  # batched trees run on the lean path (else chains)
     p.add_argument("--threads", type=thread_count, default=0,
-                   help="torch CPU threads (default 0: torch's default, one per core)")
+                   help="torch CPU threads (default 0: one per core, less the cores other processes keep busy when it starts (measured for 0.3 s; OMP_NUM_THREADS also chooses))")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: "
                         "$DSPINE_API_KEY, comma-separated, else no key); each key is its own tenant of the "

@@ -56,7 +56,11 @@ def cmd_train(args) -> int:
         raise ValueError("--soft-weight applies to soft labels only: add --soft-labels K (e.g. 8) or drop --soft-weight")
     device = resolve_device(args.device)
     rank, world = init_distributed(device)
-    if args.threads:
+    if world == 1 and device.type == "cpu":  # one process: leave out the cores others keep busy
+        from dspine.tune.threads import choose_threads
+
+        choose_threads(args.threads)
+    elif args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     if not args.resume and ((out / "ckpt").exists() or (out / "final").exists()):
@@ -296,7 +300,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--save-every", type=positive_int, default=100)
     p.add_argument("--eval-every", type=nonneg_int, default=0)
     p.add_argument("--eval-prompts", type=nonneg_int, default=4)
-    p.add_argument("--threads", type=thread_count, default=0)
+    p.add_argument("--threads", type=thread_count, default=0,
+                   help="torch CPU threads of a one-process CPU run (default 0: one per core, less the cores other processes keep busy when it starts (measured for 0.3 s; OMP_NUM_THREADS also chooses))")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default=None,
                    help="warm-start weights from a drafter checkpoint dir (same config, or one that differs "
