@@ -70,7 +70,7 @@ def test_sharegpt_training_excludes_heldout_and_eval_texts():
     assert [r["id"] for r in chat] == SP.load_splits()["sharegpt_heldout_ids"]
 
 
-def test_jsonl_training_filters_eval_prompts(tmp_path):
+def test_jsonl_training_filters_eval_prompts(tmp_path, capsys):
     turn = S.load_mtbench()[0]["turns"][0]
     p = tmp_path / "p.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in [
@@ -82,6 +82,10 @@ def test_jsonl_training_filters_eval_prompts(tmp_path):
     ]) + "\n")
     got = [r["id"] for r in S.training_prompts(str(p))]
     assert got == ["a", "p:4"]
+    from dspine.data.build import _note_unused_rows  # a data build says what it leaves out
+
+    _note_unused_rows(str(p))
+    assert "2 of 5 rows match held-out or eval-only prompts and 1 repeat" in capsys.readouterr().err
 
 
 def test_sharegpt_stream_stops_at_truncation(tmp_path):

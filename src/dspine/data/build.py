@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dspine.data.generate import batch_engine, cpu_speed_patches, generate_batch, generate_engine
-from dspine.data.sources import iter_jsonl_prompts, training_prompts
+from dspine.data.sources import is_eval_record, iter_jsonl_prompts, training_prompts
 from dspine.data.stdlib import interleave
 from dspine.data.store import (FORMAT, MANIFEST, _all_shards, _index, _lock_dir, _packed, _repair_and_scan, _shards,
                                _write_json_atomic, read_manifest)
@@ -82,6 +82,20 @@ def _auto_dtype(out_dir, resume: bool) -> str:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _note_unused_rows(path: str) -> None:
+    """Say on stderr how many usable rows of the JSONL ``path`` are not used for training:
+    those matching a held-out or eval-only prompt (:func:`dspine.data.sources.is_eval_record`)
+    and repeats of an earlier prompt (a greedy target would answer them identically).
+    Rows that are not prompts at all are noted by :func:`iter_jsonl_prompts` itself."""
+    rows = list(iter_jsonl_prompts(path))
+    held = sum(1 for r in rows if is_eval_record(r))
+    repeats = len(rows) - held - sum(1 for _ in training_prompts(path))
+    if held or repeats:
+        print(f"dspine: note: --prompts {path}: {held} of {len(rows)} rows match held-out or eval-only "
+              f"prompts and {repeats} repeat an earlier prompt; those are not used for training",
+              file=sys.stderr, flush=True)
 
 
 def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompts: int | None = None,
@@ -148,8 +162,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                                      f"without an 'id' are named <file name>:<line>, so rows of the second "
                                      f"would be taken for rows of the first and skipped; rename one file")
                 stems[stem] = s
-                for _ in iter_jsonl_prompts(s):  # reads every line once; notes skipped rows
-                    pass
+                _note_unused_rows(s)  # reads every line; notes skipped, held-out and repeated rows
             else:
                 training_prompts(s)
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
