@@ -70,6 +70,12 @@ def test_headline_run_writes_the_table(tmp_path):
     ch = st["changed_from_preset"]  # a shrunken run says so in its stamp
     assert ch["target"] == "random:llama" and ch["limit"] == 1 and ch["max_new_tokens"] == 8 and ch["repeats"] == 1
     assert "changed from the preset: target=random:llama" in md
+    o = st["others_cores_at_start"]  # the load of other processes, not the run's own threads
+    assert isinstance(o, float) and f"other processes ~{o:.1f} cores busy at start" in md
+    assert ("measured under load" in md) == (o > 0.5)
+    busy = HL.render(doc["table"], {**st, "others_cores_at_start": 1.0}, list(cfg.modes))
+    assert "**measured under load**" in busy and "measured under load" not in HL.render(
+        doc["table"], {**st, "others_cores_at_start": 0.1}, list(cfg.modes))
     assert json.loads((tmp_path / "headline.json").read_text())["table"] == json.loads(json.dumps(doc["table"]))
     assert (tmp_path / "headline.png").stat().st_size > 0
 

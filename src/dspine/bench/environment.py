@@ -65,5 +65,23 @@ def environment(target, cfg: BenchConfig) -> dict:
         "isa": isa_class(), "linear_backend": getattr(target, "linear_backend", "aten"),
         "target_runtime": getattr(target, "runtime_name", "hf"),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        # cores other processes kept busy over 0.3 s before the first request (the load average
+        # also counts this run's own threads); above QUIET_CORES the timings are not trustworthy
+        "others_cores_at_start": _others_cores(),
     }
     return env
+
+
+def _others_cores() -> float | None:
+    """Cores kept busy by other processes now (0.3 s sample); warns on stderr when the
+    machine is busy, since every figure of the run would then be measured under load."""
+    import sys
+
+    from dspine.tune.conditions import QUIET_CORES, others_now
+
+    o = others_now()
+    if o is not None and o > QUIET_CORES:
+        print(f"dspine bench: warning: other processes keep ~{o:.1f} cores busy: the timings of this run are "
+              f"measured under load and not comparable to a quiet run's (the report says so)",
+              file=sys.stderr, flush=True)
+    return None if o is None else round(o, 2)

@@ -147,6 +147,7 @@ def stamp(summary: dict, load_end: float | None, date: str | None = None) -> dic
     commit = (env.get("git_commit") or "")[:7] or None
     return {"cpu": env.get("cpu"), "isa": env.get("isa"), "threads": env.get("torch_threads"),
             "cores": env.get("cpu_count"), "load_avg_1m_start": env.get("load_avg_1m"),
+            "others_cores_at_start": env.get("others_cores_at_start"),
             "load_avg_1m_end": load_end, "torch": env.get("torch"), "commit": commit,
             "dirty": env.get("git_dirty"), "date": date or _dt.date.today().isoformat(),
             "command": HEADLINE_COMMAND, "changed_from_preset": preset_changes(summary.get("config") or {}),
@@ -178,6 +179,10 @@ def render(table: dict, st: dict, modes: list[str]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     load = f"load average {st['load_avg_1m_start']:.2f} -> {st['load_avg_1m_end']:.2f}" if (
         st.get("load_avg_1m_start") is not None and st.get("load_avg_1m_end") is not None) else "load average unknown"
+    others = st.get("others_cores_at_start")
+    if isinstance(others, (int, float)):
+        load += (f", other processes ~{others:.1f} cores busy at start"
+                 + (" (**measured under load**: not comparable to a quiet run)" if others > 0.5 else ""))
     lines += ["", f"Machine: {st['cpu']} ({st['isa']}), {st['threads']} thread{'s' if st['threads'] != 1 else ''} of {st['cores']} cores, {load}; "
                   f"torch {st['torch']}; commit {st['commit']}{' (with local changes)' if st.get('dirty') else ''}, "
                   f"{st['date']}; `{st['command']}` ({st['wall_s']:.0f} s)"
