@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,11 +94,9 @@ print(json.dumps(out))
 
 
 def run_child(src: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(src), "DSPINE_TUNE": "off", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=False)
-    if res.returncode:
-        raise SystemExit(f"engine_overhead: the run with {src} failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    from side_by_side import run_json
+
+    return run_json("engine_overhead", CHILD, src, env={"DSPINE_TUNE": "off", "OMP_NUM_THREADS": "1"})
 
 
 def main(argv=None) -> int:
@@ -110,17 +107,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON to write (default: print only)")
     a = ap.parse_args(argv)
     sides = {"old": Path(a.old).resolve(), "new": Path(a.new).resolve()}
-    def commit(path: Path) -> str:
-        git = lambda *c: subprocess.run(["git", "-C", str(path), *c], capture_output=True, text=True).stdout.strip()  # noqa: E731
-        return git("rev-parse", "--short", "HEAD") + (" (with local changes)" if git("status", "--porcelain", "src") else "")
+    from side_by_side import alternate, commit_of
 
-    commits = {k: commit(v) for k, v in sides.items()}
+    commits = {k: commit_of(v) for k, v in sides.items()}
     load0 = os.getloadavg()[0]
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for r in range(a.rounds):
-        for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            runs[k].append(run_child(sides[k] / "src"))
-            print(f"round {r + 1}/{a.rounds} {k}: {runs[k][-1]}", file=sys.stderr, flush=True)
+    runs = alternate(sides, a.rounds, run_child)
     med = {k: {s: round(statistics.median(x[s] for x in v), 4) for s in v[0]} for k, v in runs.items()}
     sys.path.insert(0, str(sides["new"] / "src"))
     from dspine.tune.machine import describe

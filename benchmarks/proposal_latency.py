@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,12 +62,9 @@ print(json.dumps(res))
 
 
 def run_child(src: Path, threads: int, reps: int, kernel: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    res = subprocess.run([sys.executable, "-c", CHILD, str(threads), str(reps), kernel], env=env,
-                         capture_output=True, text=True, check=False)
-    if res.returncode:
-        raise SystemExit(f"proposal_latency: the run with {src} failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    from side_by_side import run_json
+
+    return run_json("proposal_latency", CHILD, src, [str(threads), str(reps), kernel])
 
 
 def main(argv=None) -> int:
@@ -85,19 +81,12 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be >= 1")
     sides = {"old": Path(a.old).resolve(), "new": Path(a.new).resolve()}
+    from side_by_side import alternate, commit_of
 
-    def commit(path: Path) -> str:
-        git = lambda *c: subprocess.run(["git", "-C", str(path), *c], capture_output=True, text=True).stdout.strip()  # noqa: E731
-        return git("rev-parse", "--short", "HEAD") + (" (with local changes)" if git("status", "--porcelain", "src") else "")
-
-    commits = {k: commit(v) for k, v in sides.items()}
+    commits = {k: commit_of(v) for k, v in sides.items()}
     load0 = os.getloadavg()[0]
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for r in range(a.rounds):
-        for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            runs[k].append(run_child(sides[k] / "src", a.threads, a.reps, a.head_kernel))
-            print(f"round {r + 1}/{a.rounds} {k}: { {s: round(v, 3) for s, v in runs[k][-1].items() if s != 'kernels'} }",
-                  file=sys.stderr, flush=True)
+    runs = alternate(sides, a.rounds, lambda src: run_child(src, a.threads, a.reps, a.head_kernel),
+                     show=lambda r: {s: round(v, 3) for s, v in r.items() if s != "kernels"})
     keys = [s for s in runs["old"][0] if s != "kernels"]
     med = {k: {s: round(statistics.median(x[s] for x in v), 4) for s in keys} for k, v in runs.items()}
     sys.path.insert(0, str(sides["new"] / "src"))
