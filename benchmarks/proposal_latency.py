@@ -50,7 +50,7 @@ for n in (1, 2, 3, 4, 8, 15):
             ts.append(time.perf_counter() - t0)
     res[f"propose n={n}"] = statistics.median(ts) * 1e3
 ts = []
-for r in range(reps // 4 + 2):
+for r in range(max(reps // 4, 1) + 2):
     t0 = time.perf_counter()
     target.forward(ids[:, -1:], cache, list(prop.feature_layers))
     ts.append(time.perf_counter() - t0)
