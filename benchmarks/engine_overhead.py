@@ -122,10 +122,9 @@ def main(argv=None) -> int:
               "load_1m_start": round(load0, 2), "load_1m_end": round(os.getloadavg()[0], 2),
               "date": time.strftime("%Y-%m-%d"), "commits": commits, "ms_per_cycle": med,
               "new_over_old": {s: round(med["new"][s] / med["old"][s], 3) for s in med["old"]}}
-    print(json.dumps(result, indent=2))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    from side_by_side import report
+
+    report(result, a.out)
     return 0
 
 

@@ -99,10 +99,9 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d"), "commits": commits, "head_kernel": a.head_kernel,
               "kernels": {k: v[0]["kernels"] for k, v in runs.items()}, "ms": med,
               "new_over_old": {s: round(med["new"][s] / med["old"][s], 3) for s in keys}}
-    print(json.dumps(result, indent=2))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    from side_by_side import report
+
+    report(result, a.out)
     return 0
 
 

@@ -47,3 +47,11 @@ def run_json(name: str, code: str, src: Path, args: list[str] = (), env: dict | 
     if res.returncode:
         raise SystemExit(f"{name}: the run with {src} failed:\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def report(result: dict, out: str | None) -> None:
+    """Print ``result`` as JSON and write it to ``out`` (folders made) when given."""
+    print(json.dumps(result, indent=2))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
