@@ -438,8 +438,11 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert main(cont) == 0
     assert "continuing" in capsys.readouterr().err
     card2 = json.loads((run2 / "final" / "card.json").read_text())
-    assert card2["steps"] == 4 and card2["continued_from"] == str(run / "final")
-    assert json.loads((run2 / "final" / "trainer.json").read_text())["step"] == 4
+    assert card2["steps"] == 4 and card2["continued_from"]["path"] == str(run / "final")
+    assert card2["continued_from"]["step"] == 3 and card2["continued_from"]["moments_rebuilt_from_steps"] == 3
+    state2 = json.loads((run2 / "final" / "trainer.json").read_text())
+    assert state2["step"] == 4 and state2["continued_from"]["step"] == 3  # the lineage travels with it
+    assert f"continued from step 3 of the run exported in {run / 'final'}" in (run2 / "final" / "README.md").read_text()
 
 
 def test_diverging_training_stops_with_an_error_naming_lr(tmp_path, capsys):

@@ -263,3 +263,30 @@ def test_others_since_reads_the_window_without_waiting(monkeypatch):
     monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: calls.append(1) or 0.25)
     assert conditions.others_since(None) == 0.25 and conditions.others_since(conditions.load_mark()) == 0.25
     assert len(calls) == 2
+
+
+def test_tune_show_points_to_the_caches_of_other_thread_counts(load, capsys, monkeypatch, tmp_path):
+    """The cache is per thread count, and dspine runs on fewer threads while other processes
+    keep cores busy: `--show` names the other counts cached on this machine, and `--show
+    --threads N` shows that one's entries."""
+    import torch
+
+    from dspine.cli.main import main
+
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path))  # a cache file on disk, in a fresh home
+    monkeypatch.setenv("DSPINE_TUNE", "on")
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        store.put("t:two", {"chosen": "a"})
+        torch.set_num_threads(1)
+        store.put("t:one", {"chosen": "b"})
+        assert main(["tune", "--show", "--threads", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "t:two" in out and "t:one" not in out
+        assert "also cached here for 1 thread: " in out and "dspine tune --show --threads 1" in out
+        assert main(["tune", "--show", "--threads", "1"]) == 0
+        out = capsys.readouterr().out
+        assert "t:one" in out and "also cached here for 2 threads" in out
+    finally:
+        torch.set_num_threads(prev)

@@ -117,6 +117,10 @@ def write_model_card(ckpt: str | Path) -> Path:
            f"(--resume continues the schedule)"] if c.get("stopped_by_time_limit") else []),
         *([f"- warm-started from {c['init_from']} ({c.get('parent_steps')} steps before this run)"]
           if c.get("init_from") else []),
+        *([f"- continued from step {c['continued_from'].get('step')} of the run exported in "
+           f"{c['continued_from'].get('path')} (`--continue-from`; the steps above count from that run's "
+           f"start; optimizer moments rebuilt from {c['continued_from'].get('moments_rebuilt_from_steps')} steps)"]
+          if isinstance(c.get("continued_from"), dict) else []),
         f"- wall time: {c.get('wall_time_s')} s on {c.get('hardware')}, world size {c.get('world_size')}",
     ]
     lin = c.get("lineage") or []

@@ -137,7 +137,7 @@ def cmd_train(args) -> int:
                 "hardware": _hardware(device),
                 "heldout_acceptance_greedy_fp32": acc,
                 **_warm_start_fields(tr.init_source, tr.step, tr.wall),
-                **({"continued_from": str(args.continue_from)} if args.continue_from else {}),
+                **({"continued_from": tr.continued_from} if tr.continued_from else {}),
                 **({"init_adapted": tr.init_adapted} if tr.init_adapted else {}),
                 "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (final / "card.json").write_text(json.dumps(card, indent=2))

@@ -175,6 +175,8 @@ class Trainer(TrainerCheckpoints):
         # the data size from each step on: [{"step": 0, "sequences": n}, ...]; --resume appends
         # an entry when the data grew (rows appended after the old ones)
         self.data_history: list[dict] = [{"step": 0, "sequences": len(seqs)}]
+        # set by --continue-from (dspine.train.portable): the exported run this one continues
+        self.continued_from: dict | None = None
 
     def log(self, rec: dict) -> None:
         if self.rank == 0:

@@ -39,7 +39,8 @@ def write_state(trainer, out_dir: str | Path) -> Path:
     st = {"format": FORMAT, "step": trainer.step, "wall": round(trainer.wall, 3),
           "train_config": asdict(trainer.tc), "data_fingerprint": trainer.data_fingerprint(),
           "data_sequences": len(trainer.seqs), "data_history": trainer.data_history,
-          "init_source": trainer.init_source, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+          "init_source": trainer.init_source, "continued_from": trainer.continued_from,
+          "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     f = Path(out_dir) / STATE_FILE
     f.write_text(json.dumps(st, indent=1))
     return f
@@ -113,7 +114,10 @@ def continue_from(trainer, path: str | Path, rebuild_steps: int = DEFAULT_REBUIL
         trainer.subset = None
     trainer.step, trainer.wall = st["step"], float(st.get("wall") or 0.0)
     trainer.init_source = st.get("init_source")
-    rebuild_moments(trainer, rebuild_steps)
+    replayed = rebuild_moments(trainer, rebuild_steps)
+    # lineage: where this run was continued from (and what that one was continued from)
+    trainer.continued_from = {"path": str(path), "step": st["step"], "moments_rebuilt_from_steps": replayed,
+                              **({"earlier": st["continued_from"]} if st.get("continued_from") else {})}
 
 
 def rebuild_moments(trainer, k: int) -> int:

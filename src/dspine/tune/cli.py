@@ -30,6 +30,30 @@ def _profile_line(e: dict) -> str:
         return "acceptance profile: unreadable (ignored; the next run learns a new one)"
 
 
+def _other_thread_counts(device: str) -> list[tuple[int, int]]:
+    """(threads, measurements) of this machine's cache files for other thread counts (the
+    cache is keyed by the machine's facts, threads included)."""
+    from dspine.tune import store
+    from dspine.tune.machine import machine_info
+
+    here = machine_info(device)
+    same = {k: v for k, v in here.items() if k != "threads"}
+    out = []
+    try:
+        files = sorted(store.path(device).parent.glob("*.json"))
+    except (OSError, ValueError):
+        return []
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+            m = data["machine"]
+            if {k: v for k, v in m.items() if k != "threads"} == same and m["threads"] != here["threads"]:
+                out.append((int(m["threads"]), len(data.get("entries") or {})))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not a cache file of this machine
+    return sorted(out)
+
+
 def show(device: str = "cpu", as_json: bool = False) -> int:
     """``dspine tune --show``: what this machine's cache holds, measured when and under what
     load, and which entries are provisional or stale (re-measured by the next quiet run).
@@ -50,6 +74,10 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
               f"measurements only; the file {store.path(device)} is not read")
     else:
         print(f"cache:   {store.path(device)} ({len(entries)} measurements)")
+        for threads, n in _other_thread_counts(device):
+            print(f"         also cached here for {threads} thread{'s' if threads != 1 else ''}: {n} measurements "
+                  f"(`dspine tune --show --threads {threads}`; dspine runs on fewer threads when other "
+                  f"processes keep cores busy)")
     for key in sorted(entries):
         e = entries[key]
         if not isinstance(e, dict):
@@ -89,6 +117,8 @@ def cmd_tune(args) -> int:
     from dspine.guards import resolve_device
 
     args.device = str(resolve_device(args.device))  # ValueError naming --device (tpu, ...) before anything runs
+    if args.threads:  # the cache is per thread count: --show --threads N shows that one
+        torch.set_num_threads(args.threads)
     if args.show:
         return show(args.device, args.json)
 

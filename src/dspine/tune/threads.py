@@ -50,6 +50,6 @@ def choose_threads(requested: int, progress: bool = True, option: str = "--threa
         torch.set_num_threads(use)
         if progress:
             print(f"dspine: other processes keep ~{others:.1f} of {n} cores busy: running on {use} thread"
-                  f"{'s' if use > 1 else ''} (a team of {n} would wait on the busy cores at every step, "
+                  f"{'s' if use > 1 else ''}{' (at least one)' if others >= n else ''} (a team of {n} would wait on the busy cores at every step, "
                   f"several times slower); {option} {n} uses every core anyway", file=sys.stderr, flush=True)
     return use
