@@ -31,9 +31,13 @@ def test_choose_threads_by_load(monkeypatch, capsys, threads_back, busy, want):
     assert ("running on 1 thread" in err and "--threads 2" in err) == (want == 1)
 
 
-def test_a_choice_is_kept(monkeypatch, threads_back):
+def test_a_choice_is_kept(monkeypatch, capsys, threads_back):
     monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: 1.0)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
     torch.set_num_threads(2)
     assert choose_threads(2) == 2 == torch.get_num_threads()  # --threads 2: as given, busy or not
+    assert "warning: --threads 2 while other processes keep ~1.0 of 2 cores busy" in capsys.readouterr().err
+    monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: 0.1)
+    assert choose_threads(2) == 2 and "warning" not in capsys.readouterr().err  # quiet: nothing to say
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert choose_threads(0) == 2 == torch.get_num_threads()  # the environment chose

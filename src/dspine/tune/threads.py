@@ -38,6 +38,16 @@ def choose_threads(requested: int, progress: bool = True, option: str = "--threa
 
     if requested > 0:
         torch.set_num_threads(requested)
+        if requested > 1 and progress:  # a choice is kept, but not silently when it will crawl
+            from dspine.tune.conditions import others_now
+
+            others = others_now()
+            free = free_threads(min(requested, os.cpu_count() or requested), others)
+            if free < requested:
+                print(f"dspine: warning: {option} {requested} while other processes keep ~{others:.1f} of "
+                      f"{os.cpu_count()} cores busy: the thread team waits on the busy cores at every step "
+                      f"(several times slower); {option} {free} or leaving it out runs on the free cores",
+                      file=sys.stderr, flush=True)
         return requested
     n = torch.get_num_threads()
     if n <= 1 or os.environ.get("OMP_NUM_THREADS"):
