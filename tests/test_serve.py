@@ -255,6 +255,9 @@ BAD = [
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [True, 1.0]}, 400, "prompt"),  # not token ids (were read as [1, 1])
     ("/v1/completions", {"prompt": [[1, 2.5]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["hi", 5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [None]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[True]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4096}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
@@ -279,6 +282,8 @@ def test_validation_errors(server):
             err = r.json()["error"]
             assert err["param"] == param, (body, err)
             assert err["message"] and err["type"]
+        r = c.post("/v1/completions", json={"prompt": [True, 1]})  # says what a prompt may be
+        assert "list of token ids (JSON integers)" in r.json()["error"]["message"]
         r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
         r = c.get("/v1/nothing")

@@ -40,4 +40,11 @@ def test_a_choice_is_kept(monkeypatch, capsys, threads_back):
     monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: 0.1)
     assert choose_threads(2) == 2 and "warning" not in capsys.readouterr().err  # quiet: nothing to say
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert choose_threads(0) == 2 == torch.get_num_threads()  # the environment chose
+    monkeypatch.setattr(conditions, "others_now", lambda interval_s=0.3: 1.0)
+    assert choose_threads(0) == 2 == torch.get_num_threads()  # the environment chose, warned about
+    assert "warning: OMP_NUM_THREADS=2 while other processes keep ~1.0" in capsys.readouterr().err
+    for bad in ("abc", "0", "-2", "2,1"):  # torch ignores these: dspine says so and chooses by load
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        torch.set_num_threads(2)
+        assert choose_threads(0) == 1 == torch.get_num_threads()
+        assert f"OMP_NUM_THREADS={bad!r} is not a positive number" in capsys.readouterr().err

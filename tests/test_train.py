@@ -1,6 +1,7 @@
 """Training pipeline: losses, resume, data-parallel equivalence, bad input."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -435,6 +436,12 @@ def test_train_command_end_to_end(tmp_path, capsys):
     run2 = tmp_path / "run2"
     cont = [a if a != str(run) else str(run2) for a in base] + ["--steps", "4", "--continue-from", str(run / "final")]
     assert main(cont + ["--init-from", str(run / "final")]) == 2 and "give one of the two" in capsys.readouterr().err
+    for bad, why in ((["--continue-from", ""], "names no directory"), (["--continue-from", str(tmp_path / "nope")],
+                                                                         "no such directory"),
+                     (["--continue-from", str(data)], "no trainer.json")):
+        assert main(base + ["--steps", "4"] + bad) == 2 and why in capsys.readouterr().err
+    assert main(base + ["--steps", "4", "--rebuild-moments", "5"]) == 2
+    assert "applies to --continue-from only" in capsys.readouterr().err
     assert main(cont) == 0
     assert "continuing" in capsys.readouterr().err
     card2 = json.loads((run2 / "final" / "card.json").read_text())
@@ -771,6 +778,14 @@ def test_an_exported_run_continues_on_another_machine_with_rebuilt_moments(tmp_p
         continue_from(Trainer(tg, _cfg(tg), seqs[1:], tmp_path / "c", _tc(**kw)), tmp_path / "final")
     with pytest.raises(ValueError, match="--rebuild-moments"):
         continue_from(Trainer(tg, _cfg(tg), seqs, tmp_path / "c", _tc(**kw)), tmp_path / "final", -1)
-    (tmp_path / "final" / "trainer.json").write_text('{"format": "dspine-trainer-state/1", "step": "x"}')
-    with pytest.raises(ValueError, match="lacks a valid step"):
-        continue_from(Trainer(tg, _cfg(tg), seqs, tmp_path / "c", _tc(**kw)), tmp_path / "final")
+    with pytest.raises(ValueError, match="at step 40; --steps 40 adds nothing"):
+        continue_from(Trainer(tg, _cfg(tg), seqs, tmp_path / "c", _tc(**{**kw, "steps": 40})), tmp_path / "final")
+    good = json.loads((tmp_path / "final" / "trainer.json").read_text())
+    for damaged, why in (({"step": "x"}, "lacks a valid step"),
+                         ({"data_history": "x"}, "damaged data_history"),
+                         ({"data_history": [{"step": 0, "sequences": "8"}]}, "damaged data_history"),
+                         ({"train_config": {**good["train_config"], "lr": "0.003"}}, "train_config.lr = '0.003', not a float"),
+                         ({"train_config": {**good["train_config"], "batch_size": 4.0}}, "batch_size = 4.0, not a int")):
+        (tmp_path / "final" / "trainer.json").write_text(json.dumps({**good, **damaged}))
+        with pytest.raises(ValueError, match=why):
+            continue_from(Trainer(tg, _cfg(tg), seqs, tmp_path / "c", _tc(**kw)), tmp_path / "final")

@@ -290,3 +290,26 @@ def test_tune_show_points_to_the_caches_of_other_thread_counts(load, capsys, mon
         assert "t:one" in out and "also cached here for 2 threads" in out
     finally:
         torch.set_num_threads(prev)
+
+
+def test_a_cost_curve_measured_beside_the_backend_timing_is_provisional(load, monkeypatch):
+    """The process that timed the target's linear backends runs its target slower than a
+    later one: a cost curve it measures is cached as provisional (re-measured by the next
+    quiet run); one measured in a process that read the backend choice is trusted."""
+    from dspine.runtime import packed
+    from dspine.tune.cost import measure_cost
+
+    target = load_target("random:llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    from dspine.tune import cost as cost_mod
+    from dspine.tune.conditions import untrusted_reason
+
+    for timed_here in (True, False):
+        monkeypatch.setattr(packed, "BACKENDS_TIMED_HERE", timed_here)
+        cost_mod._COST_CACHE.clear()
+        store.clear()
+        c = measure_cost(target, None, n_max=3, context=8, repeats=1)  # cached: carries its conditions
+        assert c.meta["provisional"] is timed_here
+        entry = store.get(c.meta["cache_key"])
+        assert entry["provisional"] is timed_here
+        assert (untrusted_reason(entry) or "").startswith("measured in the process that also timed") == timed_here

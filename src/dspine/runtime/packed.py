@@ -214,6 +214,13 @@ def blockq_available(target, progress: bool = True) -> bool:
     return kernels(progress=progress) is not None
 
 
+#: True once this process timed the linear backends against each other: its target then ran
+#: slower than in a later process that reads the choice (a plain step 15-16 ms instead of 13 on
+#: a 2-core AMX Xeon, 2026-12-06), so a cost curve measured here is kept as provisional
+#: (:func:`dspine.tune.cost.measure_cost`) and measured again by the next run
+BACKENDS_TIMED_HERE = False
+
+
 def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: bool = True, context: int = 64):
     """Measure the target's forward with each available backend (:func:`available_backends`)
     on this machine and return the :class:`dspine.tune.choose.Choice` (cached per machine,
@@ -256,9 +263,13 @@ def choose_linear_backend(target, *, redo: bool = False, timer=None, progress: b
         return ts[len(ts) // 2]
 
     try:
-        return choose_fastest(key, {b: run(b) for b in names}, timer=timer or timed, redo=redo,
-                              repeats=3, rounds=3, progress=progress,
-                              what="the target's linear backend (" + " vs ".join(names) + ")")
+        choice = choose_fastest(key, {b: run(b) for b in names}, timer=timer or timed, redo=redo,
+                                repeats=3, rounds=3, progress=progress,
+                                what="the target's linear backend (" + " vs ".join(names) + ")")
+        if not choice.cached:
+            global BACKENDS_TIMED_HERE
+            BACKENDS_TIMED_HERE = True
+        return choice
     finally:
         set_linear_backend(target.model, "aten")
 

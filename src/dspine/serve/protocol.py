@@ -122,6 +122,21 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """One message for every malformed prompt (pydantic's union errors name the wrong type)."""
+        def ids(x) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or ids(v):
+            return v
+        if isinstance(v, list) and all(isinstance(x, str) for x in v) or (
+                isinstance(v, list) and all(ids(x) for x in v)):
+            return v
+        raise ValueError("prompt must be a string, a list of token ids (JSON integers), or a list holding one "
+                         "of those")
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):

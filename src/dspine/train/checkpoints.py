@@ -151,6 +151,10 @@ class TrainerCheckpoints:
         """
         now = asdict(self.tc)
         saved_tc = {**self.LEGACY_DEFAULTS, **(st.get("train_config") or {})}
+        for k, v in saved_tc.items():  # each setting of the type the run had: a damaged state otherwise
+            if k in now and not _same_kind(v, now[k]):
+                raise ValueError(f"{option}: {where} holds train_config.{k} = {v!r}, not a "
+                                 f"{type(now[k]).__name__}; the saved state is damaged")
         for k, v in saved_tc.items():
             if k not in self._RESUMABLE and k in now and now[k] != v:
                 raise ValueError(f"{option}: {where} was trained with {self._FLAGS.get(k, k)} {v!r}, this run "
@@ -211,3 +215,13 @@ class TrainerCheckpoints:
         if self.world > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
+
+
+def _same_kind(saved, now) -> bool:
+    """Whether a saved setting has the type of this run's (an int stands for a float; a bool
+    is no number)."""
+    if isinstance(now, bool) or isinstance(saved, bool):
+        return isinstance(now, bool) and isinstance(saved, bool)
+    if isinstance(now, float):
+        return isinstance(saved, (int, float))
+    return isinstance(saved, type(now))

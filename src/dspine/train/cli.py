@@ -49,9 +49,22 @@ def cmd_train(args) -> int:
 
     if args.engine_compatible and args.mode != "dflash":  # before loading anything
         _drafter_config(args, None)
-    if args.continue_from and args.init_from:
-        raise ValueError("--continue-from continues an exported run (its weights and schedule); --init-from "
-                         "starts a new one from a drafter's weights: give one of the two")
+    if args.continue_from is not None:
+        from dspine.train.portable import read_state
+
+        if args.init_from:
+            raise ValueError("--continue-from continues an exported run (its weights and schedule); --init-from "
+                             "starts a new one from a drafter's weights: give one of the two")
+        if not str(args.continue_from).strip():
+            raise ValueError("--continue-from '' names no directory")
+        if not Path(args.continue_from).is_dir():
+            raise ValueError(f"--continue-from {args.continue_from}: no such directory")
+        resumable = args.resume and (Path(args.out) / "ckpt" / "trainer.pt").exists()
+        if not resumable:
+            read_state(args.continue_from)  # a missing or damaged state, before the target loads
+    elif args.rebuild_moments is not None:
+        raise ValueError("--rebuild-moments applies to --continue-from only (it rebuilds the optimizer "
+                         "state of a continued run)")
     if args.soft_weight is not None and not args.soft_labels:
         raise ValueError("--soft-weight applies to soft labels only: add --soft-labels K (e.g. 8) or drop --soft-weight")
     device = resolve_device(args.device)
@@ -103,7 +116,7 @@ def cmd_train(args) -> int:
     tr = Trainer(target, cfg, seqs, out, tc, eval_fn=eval_fn, feature_store=store)
     t0 = time.time()
     tr.run(resume=args.resume, init_from=args.init_from, continue_from=args.continue_from,
-           rebuild_steps=args.rebuild_moments)
+           rebuild_steps=64 if args.rebuild_moments is None else args.rebuild_moments)
     if rank == 0:
         final = out / "final"
         save_drafter(tr.model, final, dtype=torch.bfloat16)
@@ -312,7 +325,7 @@ def add_train_parser(sub) -> None:
                         "schedule, data; e.g. a committed checkpoint, on another machine), with the "
                         "optimizer's moments rebuilt; the same settings and data (or data grown by "
                         "appended rows) are required; ignored on --resume when --out holds a checkpoint")
-    p.add_argument("--rebuild-moments", type=nonneg_int, default=64, metavar="K",
+    p.add_argument("--rebuild-moments", type=nonneg_int, default=None, metavar="K",
                    help="with --continue-from: rebuild AdamW's moments from the gradients of the K "
                         "steps before the saved one (default 64)")
     p.add_argument("--feature-store", default=None,

@@ -335,6 +335,9 @@ class Trainer(TrainerCheckpoints):
         resumed = resume and self.resume()
         if resumed and self.rank == 0:
             print(f"resumed from step {self.step}")
+            if continue_from:
+                print(f"note: --continue-from {continue_from} is not used: {self.out / 'ckpt'} holds this run's "
+                      f"own checkpoint, which --resume continues exactly", file=sys.stderr)
         elif resume and self.rank == 0:
             print(f"note: --resume: no checkpoint in {self.out / 'ckpt'} yet; "
                   + ("continuing the exported run" if continue_from else "starting at step 0"), file=sys.stderr)

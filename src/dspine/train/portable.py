@@ -68,6 +68,12 @@ def read_state(path: str | Path) -> dict:
            if not isinstance(st.get(k), t) or isinstance(st.get(k), bool)]
     if bad or st["step"] < 0:
         raise ValueError(f"--continue-from {path}: {STATE_FILE} lacks a valid {', '.join(bad) or 'step'}")
+    hist = st.get("data_history")
+    if hist is not None and not (isinstance(hist, list) and hist and all(
+            isinstance(h, dict) and all(isinstance(h.get(k), int) and not isinstance(h.get(k), bool) and h[k] >= 0
+                                        for k in ("step", "sequences")) for h in hist)):
+        raise ValueError(f"--continue-from {path}: {STATE_FILE} holds a damaged data_history (a list of "
+                         f"{{step, sequences}} integers expected)")
     return st
 
 
@@ -91,6 +97,9 @@ def continue_from(trainer, path: str | Path, rebuild_steps: int = DEFAULT_REBUIL
     if rebuild_steps < 0:
         raise ValueError(f"--rebuild-moments must be >= 0, got {rebuild_steps}")
     st = read_state(path)
+    if st["step"] >= trainer.tc.steps:
+        raise ValueError(f"--continue-from {path}: that run is at step {st['step']}; --steps {trainer.tc.steps} "
+                         f"adds nothing (give --steps above {st['step']})")
     saved = DSpineConfig.load(path)
     if saved != trainer.cfg:
         diff = {k: (v, getattr(trainer.cfg, k)) for k, v in asdict(saved).items() if getattr(trainer.cfg, k) != v}

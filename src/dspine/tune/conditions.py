@@ -109,6 +109,8 @@ def untrusted_reason(entry: dict) -> str | None:
         return f"other processes kept ~{others:.1f} cores busy while it ran"
     if isinstance(spread, (int, float)) and spread > MAX_SPREAD:
         return f"its repeats disagree (slowest {spread:.1f}x the fastest)"
+    if entry.get("provisional") and entry.get("provisional_why"):  # a reason its measurer gave
+        return str(entry["provisional_why"])
     return None
 
 

@@ -110,20 +110,25 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     cache.rollback(context)
     pts = sorted({n for n in (0, 1, 2, 3, 4, 6, 8, 12, n_max) if 0 <= n <= n_max})
     meas: dict[int, float] = {}
-    for n in pts:
-        x = ids[:, : n + 1]
-        ts = []
-        for r in range(repeats + 1):
+    # the points are timed in interleaved rounds (0, 1, 2, ..., 15, 0, 1, ...), each repeated
+    # INTERLEAVED_ROUNDS times (the first a warm-up): timed one point after the other, the first
+    # point took a slower state of the machine (a plain step measured 17-18 ms where decoding
+    # takes 13 on a 2-core AMX Xeon, 2026-12-06), and the cached curve then made drafting look
+    # cheap against plain steps the policy never observes
+    times: dict[int, list[float]] = {n: [] for n in pts}
+    for r in range(max(repeats, INTERLEAVED_ROUNDS) + 1):
+        for n in pts:
             t0 = time.perf_counter()
-            target.forward(x, cache, layers)
+            target.forward(ids[:, : n + 1], cache, layers)
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
             dt = time.perf_counter() - t0
             cache.rollback(context)
-            if r:  # first run is a warm-up
-                ts.append(dt)
-        meas[n] = statistics.median(ts)
-        spreads.append(spread_of(ts) or 1.0)
+            if r:  # the first round is a warm-up
+                times[n].append(dt)
+    for n in pts:
+        meas[n] = statistics.median(times[n])
+        spreads.append(spread_of(times[n]) or 1.0)
     draft_s = final_row = 0.0
     propose_s = None
     if proposer is not None and n_max > 0:
@@ -144,6 +149,12 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     meter.__exit__(None, None, None)
     # a plain step's repeats decide "repeats disagree" (the median over n of each n's spread)
     cond = conditions(meter, statistics.median(spreads) if spreads else None)
+    from dspine.runtime import packed
+
+    if packed.BACKENDS_TIMED_HERE and not cond["provisional"]:  # a slower state than decoding's (packed.py)
+        cond["provisional"] = True
+        cond["provisional_why"] = ("measured in the process that also timed the target's linear backends, "
+                                   "whose target runs slower than a later process's")
     curve = CostCurve(_interp(meas, n_max), draft_s, final_row,
                       meta={"context": context, "repeats": repeats, "measured_n": pts,
                             "device": str(target.device), "dtype": str(target.dtype)},
@@ -167,6 +178,8 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
 
 
 _STALE_WARNED: set[str] = set()
+#: timed rounds over all points of the cost curve (at least; ``repeats`` when larger)
+INTERLEAVED_ROUNDS = 7
 # id(curve) -> (curve, load mark taken when the curve was handed to an engine): the window
 # over which flag_stale_curve reads how busy other processes kept the machine
 _LOAD_MARKS: dict[int, tuple[CostCurve, object]] = {}

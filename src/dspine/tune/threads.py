@@ -32,10 +32,19 @@ def choose_threads(requested: int, progress: bool = True, option: str = "--threa
     ``requested`` > 0 is used as given. 0 (the default of the commands' ``--threads``)
     means: torch's default (a thread per core) unless other processes keep cores busy now
     (:func:`free_threads`), then say on stderr (``progress``) how many are used and how to
-    choose. ``OMP_NUM_THREADS`` in the environment counts as a choice.
+    choose. A valid ``OMP_NUM_THREADS`` in the environment counts as a choice (torch's
+    thread count, warned about like ``--threads`` when above the free cores); an invalid one
+    (not a positive integer, which torch ignores) is named on stderr and the free cores used.
     """
     import torch
 
+    env = os.environ.get("OMP_NUM_THREADS")
+    if requested <= 0 and env is not None:
+        if env.strip().isdigit() and int(env) > 0:
+            requested, option = torch.get_num_threads(), "OMP_NUM_THREADS="
+        elif progress:
+            print(f"dspine: note: OMP_NUM_THREADS={env!r} is not a positive number of threads (torch ignores "
+                  f"it); choosing the threads as without it", file=sys.stderr, flush=True)
     if requested > 0:
         torch.set_num_threads(requested)
         if requested > 1 and progress:  # a choice is kept, but not silently when it will crawl
@@ -44,13 +53,14 @@ def choose_threads(requested: int, progress: bool = True, option: str = "--threa
             others = others_now()
             free = free_threads(min(requested, os.cpu_count() or requested), others)
             if free < requested:
-                print(f"dspine: warning: {option} {requested} while other processes keep ~{others:.1f} of "
+                sep = "" if option.endswith("=") else " "
+                print(f"dspine: warning: {option}{sep}{requested} while other processes keep ~{others:.1f} of "
                       f"{os.cpu_count()} cores busy: the thread team waits on the busy cores at every step "
-                      f"(several times slower); {option} {free} or leaving it out runs on the free cores",
+                      f"(several times slower); {option}{sep}{free} or leaving it out runs on the free cores",
                       file=sys.stderr, flush=True)
         return requested
     n = torch.get_num_threads()
-    if n <= 1 or os.environ.get("OMP_NUM_THREADS"):
+    if n <= 1:
         return n
     from dspine.tune.conditions import others_now
 
