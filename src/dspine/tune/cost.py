@@ -54,9 +54,10 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
                  use_cache: bool = True, progress: bool = False) -> CostCurve:
     """Measure the cycle cost curve of ``target`` (+ ``proposer``) once and cache it.
 
-    Runs target forwards of n+1 tokens after a ``context``-token prefix at a few n,
-    and proposals of n tokens at the same n >= 1 (each the median of ``repeats`` after a
-    warm-up; other n interpolated by a monotone fit). Cached in memory per loaded
+    Runs target forwards of n+1 tokens after a ``context``-token prefix at a few n, in
+    interleaved rounds (the median of max(``repeats``, :data:`INTERLEAVED_ROUNDS`) after a
+    warm-up round), and proposals of n tokens at the same n >= 1 (the median of ``repeats``
+    after a warm-up; other n interpolated by a monotone fit). Cached in memory per loaded
     (target, drafter, device, dtype, n_max) and on disk (:mod:`dspine.tune.store`, per
     machine) for targets and drafters loaded by name, keyed by their shapes, the
     candidate-pass kernels and the settings, so a later run skips the measurement.
@@ -110,11 +111,11 @@ def measure_cost(target, proposer=None, n_max: int = 15, context: int = 64, repe
     cache.rollback(context)
     pts = sorted({n for n in (0, 1, 2, 3, 4, 6, 8, 12, n_max) if 0 <= n <= n_max})
     meas: dict[int, float] = {}
-    # the points are timed in interleaved rounds (0, 1, 2, ..., 15, 0, 1, ...), each repeated
-    # INTERLEAVED_ROUNDS times (the first a warm-up): timed one point after the other, the first
-    # point took a slower state of the machine (a plain step measured 17-18 ms where decoding
-    # takes 13 on a 2-core AMX Xeon, 2026-12-06), and the cached curve then made drafting look
-    # cheap against plain steps the policy never observes
+    # the points are timed in interleaved rounds (0, 1, 2, ..., 15, 0, 1, ...), at least
+    # INTERLEAVED_ROUNDS of them after a warm-up round, so that no point alone takes the state the
+    # previous work left (the larger error of 2026-12-06, a plain step 18 ms where decoding
+    # takes 13-14 on a 2-core AMX Xeon, came from measuring in the process that timed the linear
+    # backends: marked provisional below)
     times: dict[int, list[float]] = {n: [] for n in pts}
     for r in range(max(repeats, INTERLEAVED_ROUNDS) + 1):
         for n in pts:
