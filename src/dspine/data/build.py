@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dspine.data.generate import batch_engine, cpu_speed_patches, generate_batch, generate_engine
+from dspine.data.generator_check import check_switch
 from dspine.data.sources import is_eval_record, iter_jsonl_prompts, training_prompts
 from dspine.data.stdlib import interleave
 from dspine.data.store import (FORMAT, MANIFEST, _all_shards, _index, _lock_dir, _packed, _repair_and_scan, _shards,
@@ -50,7 +51,9 @@ def _check_resume_settings(out: Path, man: dict, settings: dict) -> None:
     """Refuse ``--resume`` with settings that would mix differently made rows in one directory.
 
     Prompt sources may change between runs (each run's are kept in ``runs[]``, the
-    manifest's ``sources`` is their union); batch size and threads may change too.
+    manifest's ``sources`` is their union); batch size and threads may change too, and the
+    generator once this run's reproduces the directory's last rows
+    (:func:`dspine.data.generator_check.check_switch`, after the target loads).
 
     Raises:
         ValueError: naming the first setting that differs from the manifest's, with both
@@ -58,6 +61,8 @@ def _check_resume_settings(out: Path, man: dict, settings: dict) -> None:
     """
     old = {"generator": "hf", **man.get("sampling", {})}  # directories from before --generator: transformers' forward
     for key, option in _ROW_SETTINGS.items():
+        if key == "generator":  # may change after a sample check (dspine.data.generator_check)
+            continue
         if key in old and old[key] != settings[key]:
             raise ValueError(f"{out} was built with {option} {old[key]!r}, this run has {settings[key]!r}: "
                              f"resuming would mix differently generated rows; resume with {option} "
@@ -126,7 +131,8 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
             linear backend, the lean decode path, continuous batching of ``batch_size``
             requests in :class:`dspine.core.batch.BatchEngine`): the rows are then exactly
             the greedy output of the target users decode with. A directory keeps the
-            generator it was started with.
+            generator it was started with unless the other one, run on the directory's last
+            rows first, writes them id for id (:mod:`dspine.data.generator_check`).
     Raises:
         ValueError: empty prompt file, unknown/eval-only source, or ``out_dir`` holding
             data of another target (or of this target without ``resume``).
@@ -209,8 +215,25 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                     "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size,
                     "threads": torch.get_num_threads(), "device": str(tgt.device), "eos_token_ids": sorted(tgt.eos_token_ids),
                     "pad_token_id": int(pad_id)}
+        switch_from = None  # the directory's generator, where this run's differs
         if man is not None and man.get("counts", {}).get("prompts", 0) > 0:
             _check_resume_settings(out, man, settings)
+            old_gen = man.get("sampling", {}).get("generator", "hf")
+            switch_from = old_gen if old_gen != generator else None
+        engine = batch_engine(tgt, batch_size, progress) if generator == "engine" else None
+
+        def gen(prompts):
+            if engine is not None:
+                return generate_engine(engine, prompts, max_new_tokens, tgt.eos_token_ids)
+            return generate_batch(tgt.model, prompts, max_new_tokens, tgt.eos_token_ids, pad_id)
+
+        switch = None
+        if switch_from is not None:
+            with cpu_speed_patches(tgt.model):
+                switch = check_switch(out, switch_from, generator, gen, max_new_tokens)
+            if progress:
+                print(f"dspine: --generator {generator} reproduces the last {switch['rows']} rows of {out} "
+                      f"(made with {switch_from}); continuing with it", file=sys.stderr, flush=True)
         checked = True
         done, counts = _repair_and_scan(out)
         counts["skipped_too_long"] = 0
@@ -221,6 +244,8 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                     "max_prompts": max_prompts, "shard": f"{k_shard}/{n_shard}",
                     "complete": False})
         run = {"started": _now(), "sources": list(sources), "settings": settings, "new_rows": 0}
+        if switch is not None:
+            run["generator_check"] = switch
         man.setdefault("runs", []).append(run)
 
         def save(complete: bool = False) -> None:
@@ -244,7 +269,6 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                    mininterval=0.5 if sys.stderr.isatty() else 30.0)
         t0, new_tokens = time.time(), 0
         stopped = False  # --time-limit reached
-        engine = batch_engine(tgt, batch_size, progress) if generator == "engine" else None
         with cpu_speed_patches(tgt.model) as attn:
             man["sampling"]["attention"] = attn
             while True:
@@ -281,11 +305,7 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                         stopped = True
                         break
                     batch = pool[b:b + batch_size]
-                    if engine is not None:
-                        outs = generate_engine(engine, [ids for _, ids in batch], max_new_tokens, tgt.eos_token_ids)
-                    else:
-                        outs = generate_batch(tgt.model, [ids for _, ids in batch], max_new_tokens,
-                                              tgt.eos_token_ids, pad_id)
+                    outs = gen([ids for _, ids in batch])
                     lines = []
                     for (rec, ids), (resp, fin) in zip(batch, outs):
                         lines.append(json.dumps({"id": rec["id"], "source": rec["source"],
