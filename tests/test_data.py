@@ -500,10 +500,47 @@ def test_engine_generator_rows_are_the_runtimes_greedy_output(tmp_path, one_thre
         want = single.generate(r["prompt_ids"], SamplingConfig(), 8).token_ids
         assert r["response_ids"] == want
         assert r["finished"] == (want[-1] in tiny.eos_token_ids)
-    with pytest.raises(ValueError, match="--generator 'engine'"):
-        B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=8, progress=False, resume=True)
     with pytest.raises(ValueError, match="--generator 'gpu'"):
         B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], tmp_path / "x", progress=False, generator="gpu")
+
+
+def _tamper_last_row(out):
+    """Change the last response token of the directory's last row (a row another decoder wrote)."""
+    shard = sorted(out.glob("data-*.jsonl"))[-1]
+    lines = shard.read_text().splitlines()
+    row = json.loads(lines[-1])
+    row["response_ids"][-1] = (row["response_ids"][-1] + 1) % 50
+    lines[-1] = json.dumps(row)
+    shard.write_text("\n".join(lines) + "\n")
+    return row["id"]
+
+
+def test_resume_switches_generator_only_where_the_new_one_reproduces_the_last_rows(tmp_path, one_thread):
+    """--resume with the other --generator regenerates the directory's last rows first: the same
+    ids let it continue (recorded in the run), one differing token refuses it, writing nothing."""
+    from dspine.data.generator_check import SWITCH_CHECK_ROWS
+    from dspine.target.adapter import load_target
+
+    src = str(_prompts(tmp_path / "a.jsonl", SWITCH_CHECK_ROWS + 4))
+    for first, other in (("hf", "engine"), ("engine", "hf")):
+        tiny = load_target("random:llama")  # a private copy: the engine applies dspine's runtime to it
+        out = tmp_path / f"ds-{first}"
+        B.build_dataset(tiny, [src], out, max_new_tokens=6, batch_size=4, max_prompts=SWITCH_CHECK_ROWS + 1,
+                        progress=False, generator=first)
+        bad = _tamper_last_row(out)  # negative control: a row the new generator does not reproduce
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        with pytest.raises(ValueError, match=f"--generator {first!r}.*row {bad!r}"):
+            B.build_dataset(tiny, [src], out, max_new_tokens=6, batch_size=4, progress=False, resume=True,
+                            generator=other)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written
+        shard = sorted(out.glob("data-*.jsonl"))[-1]  # drop the tampered row: the resumed run rebuilds it
+        shard.write_text("".join(shard.read_text().splitlines(keepends=True)[:-1]))
+        man = B.build_dataset(tiny, [src], out, max_new_tokens=6, batch_size=4, progress=False, resume=True,
+                              generator=other)
+        assert man["complete"] and man["counts"]["prompts"] == SWITCH_CHECK_ROWS + 4
+        assert man["runs"][-1]["generator_check"] == {"against": first, "rows": SWITCH_CHECK_ROWS,
+                                                      "same": SWITCH_CHECK_ROWS}
+        assert man["sampling"]["generator"] == other
 
 
 def test_directories_from_before_the_generator_setting_resume_as_hf(tiny, tmp_path):
@@ -512,7 +549,8 @@ def test_directories_from_before_the_generator_setting_resume_as_hf(tiny, tmp_pa
     man = json.loads((out / "manifest.json").read_text())
     del man["sampling"]["generator"]  # as written before 2026-12-05
     (out / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(ValueError, match="--generator 'hf'"):
+    bad = _tamper_last_row(out)
+    with pytest.raises(ValueError, match=f"--generator 'hf'.*row {bad!r}"):  # checked against hf's rows
         B.build_dataset(tiny, [str(tmp_path / "a.jsonl")], out, max_new_tokens=3, progress=False, resume=True,
                         generator="engine", batch_size=4)
     with pytest.raises(ValueError, match="--batch-size 32 with --generator engine"):  # before anything loads

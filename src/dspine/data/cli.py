@@ -38,7 +38,7 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generator", choices=["hf", "engine"], default="hf",
                    help="hf: transformers' forward in left-padded batches (default; the committed data's); "
                         "engine: dspine's own measured runtime, batched as `dspine serve` runs it (the lean "
-                        "path); --resume needs the generator the directory was started with")
+                        "path, ~2x faster); --resume may switch generator once the new one reproduces the directory's last 8 rows")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_build)
 
