@@ -88,6 +88,24 @@ def test_jsonl_training_filters_eval_prompts(tmp_path, capsys):
     assert "2 of 5 rows match held-out or eval-only prompts and 1 repeat" in capsys.readouterr().err
 
 
+def test_a_prompt_holding_an_eval_prompt_is_eval_only(tmp_path):
+    """An eval prompt wrapped in other text is still that prompt (a HumanEval task under an
+    instruction, a held-out ShareGPT turn with a line added); a short eval text inside a
+    longer prompt is not (it would exclude ordinary prompts)."""
+    he = S.load_humaneval()[5]["prompt"]
+    held = max((r["prompt"] for r in S.heldout_prompts("chat", 50)), key=len)
+    short = min((t for t in S.eval_texts() if 2 <= len(t.split()) < S.CONTAINED_MIN_WORDS), key=len)
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "a", "prompt": "Complete this function, please:\n\n" + he + "\nThanks!"},
+        {"id": "b", "messages": [{"role": "user", "content": held.upper() + "\n\nAnswer briefly."}]},
+        {"id": "c", "prompt": "Tell me a story. " + short + " And make it long."},
+        {"id": "d", "prompt": he[: len(he) // 2] + " # the first half only"},
+    ]) + "\n")
+    assert [r["id"] for r in S.training_prompts(str(p))] == ["c", "d"]
+    assert S.contains_eval_text("x " + he) and not S.contains_eval_text(he[: len(he) // 2])
+
+
 def test_sharegpt_stream_stops_at_truncation(tmp_path):
     f = tmp_path / "t.json"
     f.write_text('[\n {"id": "a", "n": 1},\n {"id": "b", "s": "x]y"} ,\n {"id": "c", "conv')

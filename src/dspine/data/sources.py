@@ -222,6 +222,36 @@ def eval_texts() -> frozenset[str]:
     return frozenset(texts)
 
 
+CONTAINED_MIN_WORDS = 8  # eval texts this long are found inside longer prompts too
+
+
+@lru_cache(maxsize=1)
+def _eval_openings() -> dict[str, tuple[str, ...]]:
+    """Eval texts of at least :data:`CONTAINED_MIN_WORDS` words, by their first that many
+    words (what :func:`contains_eval_text` looks up)."""
+    index: dict[str, list[str]] = {}
+    for t in eval_texts():
+        words = t.split(" ")
+        if len(words) >= CONTAINED_MIN_WORDS:
+            index.setdefault(" ".join(words[:CONTAINED_MIN_WORDS]), []).append(t)
+    return {k: tuple(v) for k, v in index.items()}
+
+
+def contains_eval_text(text: str) -> bool:
+    """True when ``text`` holds a whole eval or held-out prompt of at least
+    :data:`CONTAINED_MIN_WORDS` words (normalized as :func:`_norm`): a HumanEval prompt with
+    an instruction around it is still that prompt. Shorter eval texts count only as exact
+    matches (``"Now rewrite it."`` inside a longer prompt is not a leak)."""
+    norm = _norm(text)
+    words = norm.split(" ")
+    index = _eval_openings()
+    for i in range(len(words) - CONTAINED_MIN_WORDS + 1):
+        for t in index.get(" ".join(words[i:i + CONTAINED_MIN_WORDS]), ()):
+            if t in norm:
+                return True
+    return False
+
+
 def _record_text(rec: dict) -> str:
     if "prompt" in rec:
         return rec["prompt"]
@@ -229,7 +259,8 @@ def _record_text(rec: dict) -> str:
 
 
 def is_eval_record(rec: dict) -> bool:
-    """True when a record is held out or eval-only (by id, module or prompt text)."""
+    """True when a record is held out or eval-only: by id, by module, by prompt text, or by
+    holding a whole eval prompt of 8+ words inside its own (:func:`contains_eval_text`)."""
     splits = load_splits()
     rid = str(rec.get("id", ""))
     if rid in splits["sharegpt_heldout_set"] or rid.startswith("HumanEval/"):
@@ -237,7 +268,8 @@ def is_eval_record(rec: dict) -> bool:
     mod = rec.get("module") or (rid.split(":", 1)[0] if rec.get("source") == "stdlib" else None)
     if mod and is_heldout_module(mod):
         return True
-    return _norm(_record_text(rec)) in eval_texts()
+    text = _record_text(rec)
+    return _norm(text) in eval_texts() or contains_eval_text(text)
 
 
 def training_prompts(source: str, **kwargs) -> Iterator[dict]:
