@@ -88,6 +88,18 @@ def test_jsonl_training_filters_eval_prompts(tmp_path, capsys):
     assert "2 of 5 rows match held-out or eval-only prompts and 1 repeat" in capsys.readouterr().err
 
 
+def test_build_refuses_a_source_given_twice_or_sources_that_leave_nothing(tmp_path, capsys):
+    turn = S.load_mtbench()[0]["turns"][0]
+    p = tmp_path / "held.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": turn}) + "\n")  # eval-only: nothing to train on
+    for sources, match in (([str(p), str(tmp_path / "." / "held.jsonl")], "is given twice"),
+                           (["stdlib", "stdlib"], "--prompts stdlib is given twice"),
+                           ([str(p)], "no row is left for training")):
+        with pytest.raises(ValueError, match=match):
+            B.build_dataset("no-such-target", sources, tmp_path / "out" / "x", progress=False)
+        assert not (tmp_path / "out").exists()  # refused before the target loads or --out is made
+
+
 def test_a_prompt_holding_an_eval_prompt_is_eval_only(tmp_path):
     """An eval prompt wrapped in other text is still that prompt (a HumanEval task under an
     instruction, a held-out ShareGPT turn with a line added); a short eval text inside a

@@ -89,18 +89,21 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _note_unused_rows(path: str) -> None:
+def _note_unused_rows(path: str) -> int:
     """Say on stderr how many usable rows of the JSONL ``path`` are not used for training:
     those matching a held-out or eval-only prompt (:func:`dspine.data.sources.is_eval_record`)
     and repeats of an earlier prompt (a greedy target would answer them identically).
-    Rows that are not prompts at all are noted by :func:`iter_jsonl_prompts` itself."""
+    Rows that are not prompts at all are noted by :func:`iter_jsonl_prompts` itself.
+    Returns the number of rows left for training."""
     rows = list(iter_jsonl_prompts(path))
     held = sum(1 for r in rows if is_eval_record(r))
-    repeats = len(rows) - held - sum(1 for _ in training_prompts(path))
+    left = sum(1 for _ in training_prompts(path))
+    repeats = len(rows) - held - left
     if held or repeats:
         print(f"dspine: note: --prompts {path}: {held} of {len(rows)} rows match held-out or eval-only "
               f"prompts and {repeats} repeat an earlier prompt; those are not used for training",
               file=sys.stderr, flush=True)
+    return left
 
 
 def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompts: int | None = None,
@@ -159,6 +162,11 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
         if int(v) < 1:
             raise ValueError(f"{name} {v}: must be at least 1")
     stems: dict[str, str] = {}
+    keys = [s if s in ("sharegpt", "stdlib") else str(Path(s).resolve()) for s in sources]
+    for i, k in enumerate(keys):
+        if k in keys[:i]:
+            raise ValueError(f"--prompts {sources[i]} is given twice; give each source once")
+    usable = 0  # training rows the JSONL sources leave
     for s in sources:  # fail early: unknown/eval-only source; missing, empty or malformed JSONL
         if s not in ("sharegpt", "stdlib"):
             if s.endswith(".jsonl") or Path(s).exists():
@@ -168,9 +176,12 @@ def build_dataset(target, sources: list[str], out_dir: str | Path, *, max_prompt
                                      f"without an 'id' are named <file name>:<line>, so rows of the second "
                                      f"would be taken for rows of the first and skipped; rename one file")
                 stems[stem] = s
-                _note_unused_rows(s)  # reads every line; notes skipped, held-out and repeated rows
+                usable += _note_unused_rows(s)  # reads every line; notes skipped, held-out and repeated rows
             else:
                 training_prompts(s)
+    if not usable and not {"sharegpt", "stdlib"} & set(sources):
+        raise ValueError(f"--prompts {' '.join(sources)}: no row is left for training (every row is held "
+                         f"out, eval-only or a repeat; the notes above say which)")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory")
     iters = [iter(training_prompts(s)) for s in sources]
