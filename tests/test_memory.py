@@ -91,6 +91,11 @@ def test_cli_memory_json_with_target(capsys):
     assert d["totals"]["dspine"] == shared + 3 * per_req
     assert main(["memory", "--config", "/nonexistent/cfg"]) == 2
     assert main(["memory", "--dtype", "int4"]) == 2
+    # the output cache's bounds are serve's: a cache serve would refuse is not priced
+    assert main(["memory", "--ngram-cache-tokens", "1"]) == 2
+    assert main(["memory", "--ngram-cache-tokens", "8", "--ngram-max", "1"]) == 2
+    assert "must be 0 (off) or >= 2" in capsys.readouterr().err
+    assert main(["memory", "--ngram-cache-tokens", "2"]) == 0
 
 
 @pytest.mark.parametrize("over", [dict(), dict(mode="dflash"), dict(row_embedding=False, num_layers=3),

@@ -249,6 +249,14 @@ def tensor_bytes(tensors) -> int:
 
 # -- CLI -----------------------------------------------------------------------------------------
 def cmd_memory(args) -> int:
+    if args.ngram_cache_tokens:  # the bounds serve enforces (dspine.proposers.check_copy_settings)
+        from dspine.proposers.cache import MIN_TOKENS
+
+        if args.ngram_cache_tokens < MIN_TOKENS:
+            raise ConfigError(f"--ngram-cache-tokens must be 0 (off) or >= {MIN_TOKENS}, got {args.ngram_cache_tokens}")
+        if args.ngram_max < 2:
+            raise ConfigError(f"--ngram-cache-tokens needs --ngram-max >= 2 (the cache proposes on matches of 2+ "
+                              f"tokens), got --ngram-max {args.ngram_max}")
     spec = target_spec(args.target) if args.target else None
     cfg = drafter_config(args.config, spec)
     profile = args.config if args.config in ("release", "small") else Path(args.config).name
