@@ -71,6 +71,17 @@ def test_slow_int8_is_never_chosen_and_fast_int8_is():
                           redo=True).chosen == "int8"
 
 
+def test_the_progress_line_says_whether_a_measurement_is_kept(monkeypatch, tmp_path, capsys):
+    noop = {n: (lambda: None) for n in HEAD_KERNELS}
+    t = fake_timer({"exact": 5.0, "bfloat16": 9.0, "int8": 4.0})
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path))
+    for env, said, not_said in (("off", "kept in this process only", "cached"), ("on", "once; cached", "process")):
+        monkeypatch.setenv("DSPINE_TUNE", env)
+        choose_fastest(f"t:progress:{env}", noop, timer=t, redo=True, progress=True)
+        line = [x for x in capsys.readouterr().err.splitlines() if "measuring" in x][0]
+        assert said in line and not_said not in line
+
+
 def test_failing_alternative_is_recorded_not_chosen():
     alts = {"a": lambda: None, "b": lambda: None}
     c = choose_fastest("t:fail", alts, timer=fake_timer({"a": RuntimeError("no kernel"), "b": 9.0}), redo=True)

@@ -50,6 +50,12 @@ class Choice:
 Timer = Callable[[str, Callable[[], object], int, float], float]
 
 
+def _keeping() -> str:
+    """How long a measurement is kept, for the progress line: on disk, or (``DSPINE_TUNE=off``)
+    in this process only."""
+    return "once; cached" if store.enabled() else "DSPINE_TUNE=off: kept in this process only"
+
+
 def measure(name: str, fn: Callable[[], object], repeats: int = 3, cap_s: float = float("inf")) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call. When the
     warm-up alone takes longer than ``cap_s``, its time is returned without repeats."""
@@ -112,7 +118,7 @@ def choose_fastest(key: str, alternatives: dict[str, Callable[[], object]], *, r
             return hit
     if progress:
         store.first_use_note(device)
-        print(f"dspine: measuring {what or key} on this machine (once; cached) ...", file=sys.stderr, flush=True)
+        print(f"dspine: measuring {what or key} on this machine ({_keeping()}) ...", file=sys.stderr, flush=True)
     timer = timer or measure
     t_start = time.perf_counter()
     choice, spread, meter = _measure_all(key, alternatives, repeats, cutoff, timer, rounds)
@@ -178,7 +184,7 @@ def cached_measurement(key: str, measure_fn: Callable[[], int], *, valid: Callab
             return hit["value"]
     if progress:
         store.first_use_note(device)
-        print(f"dspine: measuring {what or key} on this machine (once; cached) ...", file=sys.stderr, flush=True)
+        print(f"dspine: measuring {what or key} on this machine ({_keeping()}) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with LoadMeter() as meter:
         value = int(measure_fn())
