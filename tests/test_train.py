@@ -784,6 +784,8 @@ def test_an_exported_run_continues_on_another_machine_with_rebuilt_moments(tmp_p
     for damaged, why in (({"step": "x"}, "lacks a valid step"),
                          ({"data_history": "x"}, "damaged data_history"),
                          ({"data_history": [{"step": 0, "sequences": "8"}]}, "damaged data_history"),
+                         ({"step": 10**12}, "step 1000000000000, beyond that run's own --steps"),
+                         ({"data_history": [{"step": 41, "sequences": 8}]}, "data added after its own step 40"),
                          ({"train_config": {**good["train_config"], "lr": "0.003"}}, "train_config.lr = '0.003', not a float"),
                          ({"train_config": {**good["train_config"], "batch_size": 4.0}}, "batch_size = 4.0, not a int")):
         (tmp_path / "final" / "trainer.json").write_text(json.dumps({**good, **damaged}))

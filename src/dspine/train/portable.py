@@ -51,7 +51,8 @@ def read_state(path: str | Path) -> dict:
 
     Raises:
         ValueError: no ``trainer.json`` (names ``--continue-from`` and what to use instead),
-            not JSON, another format, or lacking step / settings / data fingerprint.
+            not JSON, another format, lacking step / settings / data fingerprint, or a step
+            beyond the run's own ``steps`` or before its recorded data growth.
     """
     f = Path(path) / STATE_FILE
     if not f.is_file():
@@ -68,12 +69,19 @@ def read_state(path: str | Path) -> dict:
            if not isinstance(st.get(k), t) or isinstance(st.get(k), bool)]
     if bad or st["step"] < 0:
         raise ValueError(f"--continue-from {path}: {STATE_FILE} lacks a valid {', '.join(bad) or 'step'}")
+    planned = st["train_config"].get("steps")
+    if isinstance(planned, int) and not isinstance(planned, bool) and st["step"] > planned:
+        raise ValueError(f"--continue-from {path}: {STATE_FILE} says step {st['step']}, beyond that run's own "
+                         f"--steps {planned}; the state is damaged")
     hist = st.get("data_history")
     if hist is not None and not (isinstance(hist, list) and hist and all(
             isinstance(h, dict) and all(isinstance(h.get(k), int) and not isinstance(h.get(k), bool) and h[k] >= 0
                                         for k in ("step", "sequences")) for h in hist)):
         raise ValueError(f"--continue-from {path}: {STATE_FILE} holds a damaged data_history (a list of "
                          f"{{step, sequences}} integers expected)")
+    if hist and max(h["step"] for h in hist) > st["step"]:
+        raise ValueError(f"--continue-from {path}: {STATE_FILE} records data added after its own step "
+                         f"{st['step']}; the state is damaged")
     return st
 
 
