@@ -149,3 +149,20 @@ def add_tree_args(p: argparse.ArgumentParser, default_budget: int = 0) -> None:
                         f"while they add expected tokens faster than time (greedy dynamic trees, with "
                         f"--verify-policy cost) (default {DEFAULT_TREE_SIZE})")
 
+
+
+def ngram_prior_setting(text: str) -> str:
+    """``--ngram-prior``: ``off``, ``auto`` or a directory (checked when the engine is built)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be off, auto or a `dspine data build` directory")
+    return text
+
+
+def add_ngram_prior_args(p, default: str = "off") -> None:
+    """``--ngram-prior`` and ``--ngram-prior-weight`` (:mod:`dspine.drafter.ngram_prior`)."""
+    p.add_argument("--ngram-prior", type=ngram_prior_setting, default=default, metavar="off|auto|DIR",
+                   help="DSpine drafters: score the final stage's chain with counts of what the target wrote "
+                        "after the same 1-6 tokens in its regenerated training answers (auto: the repository's "
+                        f"committed data for the target; DIR: a `dspine data build` directory); default {default}")
+    p.add_argument("--ngram-prior-weight", type=nonneg_float, default=0.5, metavar="W",
+                   help="weight of the prior's log-probability in the chain's scores (default 0.5)")

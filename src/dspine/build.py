@@ -166,13 +166,15 @@ def build_engine(config: SpeculativeConfig | None = None, *, progress: bool = Fa
                                   tree=tree, head_kernel=c.head_kernel, drafter_linears=c.drafter_linears,
                                   draft_vocab=c.draft_vocab, ngram_max=c.ngram_max, ngram_min=c.ngram_min,
                                   ngram_cache_tokens=c.ngram_cache_tokens, copy_bonus=c.copy_bonus,
-                                  progress=progress, persist=c.persist)
+                                  progress=progress, persist=c.persist, ngram_prior=c.ngram_prior,
+                                  ngram_prior_weight=c.ngram_prior_weight)
 
 
 def drafter_engine(target, model, drafter_path: str | None, mode: str, *, proposer: str, verify_policy: str,
                    tree, head_kernel: str, drafter_linears: str, draft_vocab: str, ngram_max: int,
                    ngram_min: int, ngram_cache_tokens: int, copy_bonus: float | None,
-                   progress: bool = False, persist: bool = False):
+                   progress: bool = False, persist: bool = False, ngram_prior: str = "off",
+                   ngram_prior_weight: float = 0.5):
     """An :class:`~dspine.core.engine.Engine` for ``mode`` (``dflash`` / ``dspine``) over
     ``target`` with the loaded drafter ``model`` (from ``drafter_path``, a checkpoint
     directory, or None / ``random`` for an untrained one).
@@ -184,13 +186,15 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
     every setting is a :class:`~dspine.config.SpeculativeConfig` field of the same name
     (its defaults are there); ``head_kernel`` / ``drafter_linears`` / ``draft_vocab``: see
     :class:`dspine.proposers.drafter.DrafterProposer` and :mod:`dspine.drafter.vocab`;
-    ``ngram_*`` / ``copy_bonus``: :func:`dspine.proposers.make_proposer`.
+    ``ngram_*`` / ``copy_bonus``: :func:`dspine.proposers.make_proposer`; ``ngram_prior`` /
+    ``ngram_prior_weight``: :func:`dspine.drafter.ngram_prior.resolve_prior` (DSpine drafters).
 
     Raises:
         EngineError: a drafter setting that cannot run here, naming the setting.
     """
     import torch
 
+    from dspine.drafter.ngram_prior import resolve_prior
     from dspine.drafter.vocab import DraftVocabError, resolve as resolve_vocab
     from dspine.core.engine import Engine, EngineError
     from dspine.tune.controller import make_policy
@@ -201,8 +205,10 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
     with torch.no_grad():
         try:
             vocab = resolve_vocab(draft_vocab, path, model.cfg.vocab_size, model.cfg.head_topk)
+            prior = (resolve_prior(ngram_prior, target.name, ngram_prior_weight)
+                     if model.cfg.final_stage else None)
             drafting = measured_proposer(model, head_kernel=head_kernel, linears=drafter_linears, vocab=vocab,
-                                         progress=progress)
+                                         progress=progress, prior=prior)
             prop = make_proposer(proposer, drafting, ngram_max=ngram_max, ngram_min=ngram_min,
                                  cache_tokens=ngram_cache_tokens, copy_bonus=copy_bonus)
         except (DraftVocabError, ValueError) as e:

@@ -254,6 +254,9 @@ class SpeculativeConfig:
         ngram_max, ngram_min: longest / shortest suffix match of a copy (tokens).
         ngram_cache_tokens: > 0: a cross-request cache of earlier outputs for copies.
         copy_bonus: fuse copies into the DSpine final stage with this score bonus (None: off).
+        ngram_prior, ngram_prior_weight: score the DSpine final stage's chain with an n-gram
+            memory of the target's regenerated answers (``off``, ``auto`` or a data
+            directory; :mod:`dspine.drafter.ngram_prior`) at this weight.
         tree_budget, tree_shape, tree_size: draft trees of the drafter modes (budget 0:
             chains; shape ``dynamic`` or widths per depth ``4,2,1``; size ``fixed`` or
             ``cost``), :class:`dspine.trees.TreeSpec`.
@@ -286,6 +289,8 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_cache_tokens: int = 0
     copy_bonus: float | None = None
+    ngram_prior: str = "off"
+    ngram_prior_weight: float = 0.5
     tree_budget: int = DEFAULT_TREE_BUDGET
     tree_shape: str = "dynamic"
     tree_size: str = DEFAULT_TREE_SIZE
@@ -297,7 +302,7 @@ class SpeculativeConfig:
 
         for name in ("target", "mode", "proposer", "verify_policy", "dtype", "device", "head_kernel",
                      "drafter_linears", "draft_vocab", "linear_backend", "runtime", "target_weights",
-                     "tree_shape", "tree_size"):
+                     "tree_shape", "tree_size", "ngram_prior"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise bad(name, "must be a non-empty string")
         if self.drafter is not None and (not isinstance(self.drafter, str) or not self.drafter):
@@ -328,6 +333,9 @@ class SpeculativeConfig:
         if self.copy_bonus is not None and (isinstance(self.copy_bonus, bool) or not isinstance(self.copy_bonus, (int, float))
                                             or not (math.isfinite(self.copy_bonus) and self.copy_bonus >= 0)):
             raise bad("copy_bonus", "must be None or a finite number >= 0")
+        if isinstance(self.ngram_prior_weight, bool) or not isinstance(self.ngram_prior_weight, (int, float)) \
+                or not (math.isfinite(self.ngram_prior_weight) and self.ngram_prior_weight >= 0):
+            raise bad("ngram_prior_weight", "must be a finite number >= 0")
         if not isinstance(self.persist, bool):
             raise bad("persist", "must be True or False")
 

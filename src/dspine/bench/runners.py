@@ -94,7 +94,8 @@ class EngineRunner(Runner):
         self.engine = drafter_engine(target, model, drafter, kind, proposer=proposer, verify_policy=verify_policy,
                                      tree=tree, head_kernel=head_kernel, drafter_linears=drafter_linears,
                                      draft_vocab=draft_vocab, ngram_max=d.ngram_max, ngram_min=d.ngram_min,
-                                     ngram_cache_tokens=d.ngram_cache_tokens, copy_bonus=d.copy_bonus, progress=True)
+                                     ngram_cache_tokens=d.ngram_cache_tokens, copy_bonus=d.copy_bonus, progress=True,
+                                     ngram_prior=d.ngram_prior, ngram_prior_weight=d.ngram_prior_weight)
         drafting = getattr(self.engine.proposer, "drafter_proposer", self.engine.proposer)
         # what ran, as generate's --json stats.kernels says it: candidate pass per row count,
         # drafter linears and forward, draft vocabulary size; and the --head-kernel setting

@@ -72,6 +72,9 @@ def add_proposer_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid with a DSpine drafter: where a copy is on offer but the cycle drafts, fuse "
                         "the copied tokens into the final stage's candidates, following them scoring B more "
                         "(source 'fused'; exact); default off")
+    from dspine.argtypes import add_ngram_prior_args
+
+    add_ngram_prior_args(p, default=SpeculativeConfig.ngram_prior)
 
 
 def config_from_args(args, **overrides) -> SpeculativeConfig:

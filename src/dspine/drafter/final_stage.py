@@ -187,16 +187,22 @@ class Chain:
 
 
 def chain(T: torch.Tensor, cand: torch.Tensor, n: int, sampling: SamplingConfig,
-          gen: torch.Generator | None) -> Chain:
+          gen: torch.Generator | None, prior=None) -> Chain:
     """Serial chain over positions 1..n of one block: T [B-1, K, K], cand [B-1, K].
 
     Greedy: ``y_1 = argmax T_1[x0, .]``, ``y_i = argmax T_i[y_{i-1}, .]``. Sampling:
-    ``q_i = filter_probs(T_i[y_{i-1}, .])`` (float64) and ``y_i ~ q_i``.
+    ``q_i = filter_probs(T_i[y_{i-1}, .])`` (float64) and ``y_i ~ q_i``. ``prior``:
+    optional ``prior(chosen: list[int], cand_i [K]) -> [K] float32`` added to row i's
+    scores given the chain's earlier choices (:class:`dspine.drafter.ngram_prior.NgramPrior`);
+    q_i is then the filtered softmax of the sum, still what the chain samples from.
     """
     j = 0  # row 1 conditions on the anchor (every predecessor slot holds x0)
     toks, qs = [], []
+    chosen: list[int] = []
     for i in range(n):
         row = T[i, j]  # [K]
+        if prior is not None:
+            row = row + prior(chosen, cand[i])
         if sampling.greedy:
             j = int(torch.argmax(row))
         else:
@@ -204,6 +210,7 @@ def chain(T: torch.Tensor, cand: torch.Tensor, n: int, sampling: SamplingConfig,
             j = sample_index(q, uniform(gen))
             qs.append(q)
         toks.append(cand[i, j])
+        chosen.append(int(cand[i, j]))
     tokens = torch.stack(toks) if toks else cand.new_zeros(0)
     if sampling.greedy or n == 0:
         return Chain(tokens, None, None)

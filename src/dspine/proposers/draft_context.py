@@ -34,6 +34,7 @@ class DraftContextCache:
         self.pending: list[tuple[torch.Tensor, int]] = []  # (features [n, F*d], first position)
         self._pending_n = 0  # positions in ``pending``
         self._project = project
+        self.tail: list[int] = []  # the last committed token ids (DrafterProposer.observe; its n-gram prior)
 
     def defer(self, features: torch.Tensor, start_pos: int) -> None:
         """Keep ``features`` [n, F*d] of positions ``start_pos ..`` for the next :meth:`flush`

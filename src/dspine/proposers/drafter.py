@@ -27,7 +27,7 @@ class DrafterProposer(Proposer):
 
     def __init__(self, drafter: DSpineDrafter, use_quantized_head: bool = True,
                  head_kernel: "str | CandidatePass" = "exact", linears: str = "float32",
-                 vocab: torch.Tensor | None = None, linears_choice=None):
+                 vocab: torch.Tensor | None = None, linears_choice=None, prior=None):
         """Nothing is measured here: the machine-dependent choices are made where an engine
         is built (:func:`dspine.tune.drafter.measured_proposer` times them and passes them in).
 
@@ -46,6 +46,9 @@ class DrafterProposer(Proposer):
         (tokens outside are never proposed; needs ``use_quantized_head``; with a given
         ``CandidatePass`` it must be the pass's own ``ids``); None = the whole vocabulary.
         ``linears_choice``: the measurement that chose the linears (shown by ``dspine tune``).
+        ``prior``: an :class:`~dspine.drafter.ngram_prior.NgramPrior` scored in the final
+        stage's chain (DSpine drafters; its own greedy continuation joins the candidates
+        where no copy is fused), or None.
 
         Raises:
             ValueError: unknown ``head_kernel`` (naming ``--head-kernel``) or ``linears``
@@ -69,6 +72,26 @@ class DrafterProposer(Proposer):
         else:
             self.qhead = forced_candidate_pass(drafter.head, head_kernel, ids=vocab)
         self.draft_vocab = 0 if vocab is None else int(vocab.numel())
+        self.prior = prior if self.cfg.final_stage else None
+
+    def observe(self, state: DraftContextCache, tokens: list[int], start_pos: int) -> None:
+        """Keep the last committed token ids (the n-gram prior's context)."""
+        if self.prior is not None and state is not None:
+            from dspine.drafter.ngram_prior import ORDER
+
+            state.tail = (state.tail + [int(t) for t in tokens])[-ORDER:]
+
+    def _prior_parts(self, state: DraftContextCache, anchor: int, n: int, copy):
+        """(copy to fuse, chain prior) of one request: the memory's own continuation when
+        nothing else is fused, and its scores given the committed tail, the anchor and the
+        chain's earlier choices; (copy, None) without a prior."""
+        if self.prior is None:
+            return copy, None
+        ctx = state.tail[-5:] + [int(anchor)]  # ORDER - 1 committed tokens and the anchor
+        if not copy:
+            copy = self.prior.chain(ctx, n) or None
+        prior = self.prior
+        return copy, (lambda chosen, cand_i: prior.scores(ctx + chosen, cand_i))
 
     def state_nbytes(self, state) -> int:
         """Bytes of ``state``'s draft context K/V."""
@@ -78,11 +101,13 @@ class DrafterProposer(Proposer):
         """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
         kernel per row bucket, or ``exact-reference`` without a coarse pass."""
         fwd = "lean" if getattr(self.drafter, "_lean", None) is not None else "pytorch"
+        prior = None if self.prior is None else {"weight": self.prior.weight, "contexts": int(self.prior.keys.shape[0]),
+                                                 "bytes": self.prior.nbytes()}
         if self.qhead is None:
             return {"candidate_pass": "exact-reference", "drafter_linears": self.linears,
-                    "drafter_forward": fwd, "draft_vocab": self.cfg.vocab_size}
+                    "drafter_forward": fwd, "draft_vocab": self.cfg.vocab_size, "ngram_prior": prior}
         return {"candidate_pass": self.qhead.describe()["kernels"], "drafter_linears": self.linears,
-                "drafter_forward": fwd, "draft_vocab": self.draft_vocab or self.cfg.vocab_size}
+                "drafter_forward": fwd, "draft_vocab": self.draft_vocab or self.cfg.vocab_size, "ngram_prior": prior}
 
     def new_state(self, prompt_ids):
         return DraftContextCache(self.cfg.num_layers, self.cfg.window, project=self._project)
@@ -145,8 +170,9 @@ class DrafterProposer(Proposer):
         if n == 0:
             return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)
         if self.cfg.final_stage:
+            copy, prior = self._prior_parts(state, anchor, n, copy)
             cand, T = self._tables(out, a, n, copy, bonus)  # [n, K], [n, K, K]
-            ch = chain(T, cand, n, sampling, gen)
+            ch = chain(T, cand, n, sampling, gen, prior)
             t2 = time.perf_counter()
             return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
         if sampling.greedy and self.qhead is not None:  # argmax via the shared candidate pass
@@ -298,13 +324,14 @@ def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: l
         cand = cand.reshape(b, nmax, -1)  # [b, nmax, K]
         # copies fused into the final stage (hybrid, --copy-bonus): one bonus per proposer
         bonus = max((getattr(r, "bonus", 0.0) for r in reqs), default=0.0)
+        parts = [prop._prior_parts(r.draft_state, r.anchor, nmax, getattr(r, "copy", None)) for r in reqs]
         cand, T = fused_tables(d, out.h_pre[:, 0, :nmax + 1], out.r[:, 0, :nmax + 1], out.c[:, 0, :nmax + 1],
-                               a[:, 0], cand, [getattr(r, "copy", None) for r in reqs], bonus)  # T [b, nmax, K, K]
+                               a[:, 0], cand, [c for c, _ in parts], bonus)  # T [b, nmax, K, K]
         t2 = time.perf_counter()
         shared = (t2 - t1) / b
         for j, r in enumerate(reqs):
             tc = time.perf_counter()
-            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen)
+            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen, parts[j][1])
             res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
                                 final_s=shared + time.perf_counter() - tc))
         return res

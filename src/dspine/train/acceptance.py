@@ -8,7 +8,7 @@ import torch
 
 def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_new_tokens: int = 64,
                        progress: bool = False, proposer: str = "drafter", tree=None,
-                       copy_bonus: float | None = None, vocab: torch.Tensor | None = None) -> dict:
+                       copy_bonus: float | None = None, vocab: torch.Tensor | None = None, prior=None) -> dict:
     """Held-out mean acceptance length tau per prompt set, by the engine loop (greedy).
 
     ``proposer``: ``drafter`` (the drafter alone, the default: what training improves),
@@ -18,6 +18,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     dense runtime); the result then also holds ``tree_nodes_<set>``, the mean nodes per cycle.
     ``copy_bonus``: the hybrid fuses copies into the final stage (``--copy-bonus``).
     ``vocab``: a draft vocabulary for the candidate pass (:mod:`dspine.drafter.vocab`; None = all).
+    ``prior``: an n-gram prior scored in the final stage (:mod:`dspine.drafter.ngram_prior`).
 
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
     "row_accept_<set>": [...], "row_conditional_<set>": [...], "n_<set>": prompts}``, where
@@ -34,7 +35,8 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     was_training = drafter.training
     drafter.eval()
     eng = Engine(target, make_proposer(proposer, measured_proposer(drafter, linears="float32", vocab=vocab,
-                                                                  progress=False), copy_bonus=copy_bonus),
+                                                                  progress=False, prior=prior),
+                                       copy_bonus=copy_bonus),
                  drafter.cfg.mode, tree=tree)
     res = {}
     for s in sets:

@@ -255,12 +255,17 @@ def cmd_acceptance(args) -> int:
 
     vocab = resolve(args.draft_vocab, None if args.drafter == "random" else args.drafter, model.cfg.vocab_size,
                     model.cfg.head_topk)
+    from dspine.drafter.ngram_prior import resolve_prior
+
+    prior = resolve_prior(args.ngram_prior, target.name, args.ngram_prior_weight)
     apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True, proposer=args.proposer, tree=spec, copy_bonus=args.copy_bonus,
-                             vocab=vocab)
+                             vocab=vocab, prior=prior)
     print(json.dumps({"drafter": args.drafter, "mode": model.cfg.mode, "proposer": args.proposer,
-                      "draft_vocab": 0 if vocab is None else int(vocab.numel()), **res}))
+                      "draft_vocab": 0 if vocab is None else int(vocab.numel()),
+                      "ngram_prior": None if prior is None else {"source": prior.source, "weight": prior.weight},
+                      **res}))
     return 0
 
 
@@ -366,6 +371,9 @@ def add_train_parser(sub) -> None:
                         "own text) | hybrid (copies where the context repeats, the drafter elsewhere)")
     a.add_argument("--copy-bonus", type=nonneg_float, default=None, metavar="B",
                    help="with --proposer hybrid: fuse copies into the DSpine final stage's chain (score bonus B)")
+    from dspine.argtypes import add_ngram_prior_args
+
+    add_ngram_prior_args(a, default="off")
     add_tree_args(a)
     from dspine.cli.main import add_draft_vocab_arg
 

@@ -74,12 +74,13 @@ def plan_drafter_linears(drafter, kind: str = "auto", *, redo: bool = False, tim
 
 
 def measured_proposer(drafter, *, head_kernel: str = "auto", linears: str = "auto", vocab=None,
-                      use_quantized_head: bool = True, progress: bool = True):
+                      use_quantized_head: bool = True, progress: bool = True, prior=None):
     """A :class:`~dspine.proposers.drafter.DrafterProposer` for ``drafter`` with its
     machine-dependent choices made here, where an engine is built: the drafter's linears
     (:func:`plan_drafter_linears`) and the candidate pass's kernel per row count
     (:func:`dspine.tune.head.plan_candidate_pass`), each ``auto`` (measured once per
-    machine and shape, cached) or forced by name.
+    machine and shape, cached) or forced by name. ``prior``: an n-gram prior for the final
+    stage (:mod:`dspine.drafter.ngram_prior`), or None.
 
     Raises:
         ValueError: an unknown ``head_kernel`` or ``linears`` (naming the flag), a forced
@@ -91,4 +92,5 @@ def measured_proposer(drafter, *, head_kernel: str = "auto", linears: str = "aut
     planned, choice = plan_drafter_linears(drafter.eval(), linears, progress=progress)
     cp = (plan_candidate_pass(planned.head, planned.fc.weight.dtype, head_kernel, ids=vocab, progress=progress)
           if use_quantized_head else None)
-    return DrafterProposer(planned, use_quantized_head, cp, vocab=vocab, linears_choice=choice)  # checks vocab
+    return DrafterProposer(planned, use_quantized_head, cp, vocab=vocab, linears_choice=choice,  # checks vocab
+                           prior=prior)

@@ -1,0 +1,189 @@
+"""The n-gram prior scored in the DSpine final stage's chain (``--ngram-prior``).
+
+- the memory: counts of continuations after 1..6 tokens, the longest matching context
+  wins, hashes equal between the vectorized build and the lookup, the cache follows the data;
+- greedy: with the prior the drafter (alone and in the hybrid, single and batched) emits
+  exactly the ``ar`` ids of the real default target, and the prior really changes proposals;
+- sampling: exact-distribution test on a tiny random target, and a negative control that
+  must fail: the chain sampled with the prior but verified with the q of the chain without it.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ar_continuation
+from dspine.config import SamplingConfig
+from dspine.core.batch import BatchEngine
+from dspine.core.engine import Engine
+from dspine.core.sampling import filter_probs
+from dspine.drafter.checkpoint import random_drafter
+from dspine.drafter.ngram_prior import NgramPrior, _key, _keys, resolve_prior
+from dspine.proposers import make_proposer
+from dspine.proposers.drafter import DrafterProposer
+from test_policy import SAMPLING, exact_distribution, sources_chi_square
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_counts_longest_context_and_hashes():
+    seq = np.array([5, 6, 7, 8, -1, 5, 6, 9], dtype=np.int64)
+    h, i = _keys(seq, 2)
+    assert [int(x) for x in h] == [_key(tuple(int(t) for t in seq[j - 2:j])) for j in i]
+    assert 5 not in i.tolist()  # no context spans the separator
+    p = NgramPrior.build([([1, 2], [5, 6, 7, 5, 6, 9, 5, 6, 7])])
+    ids, ps = p.lookup([5, 6])
+    assert ids == [7, 9] and ps == pytest.approx([2 / 3, 1 / 3])
+    assert p.lookup([9, 5, 6]) == ([7], [1.0])  # the longer context decides
+    assert p.lookup([42]) == ([], [])
+    assert p.lookup([2]) == ([5], [1.0])  # the prompt's tail is context too
+    assert p.chain([5], 4) == [6, 7, 5, 6]
+    s = p.scores([5, 6], torch.tensor([7, 9, 3]))
+    w, f = p.weight, p.floor
+    assert s.tolist() == pytest.approx([w * np.log(2 / 3 + f), w * np.log(1 / 3 + f), w * np.log(f)], rel=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        NgramPrior.build([([1], [2, 3])], weight=-1.0)
+
+
+def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, monkeypatch):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3, 2, 4]}) + "\n")
+    cache = tmp_path / "cache"
+    a = NgramPrior.from_data(d, cache)
+    assert a.lookup([2]) == ([3, 4], [0.5, 0.5]) and len(list(cache.glob("*.npz"))) == 1
+    assert NgramPrior.from_data(d, cache).lookup([2]) == a.lookup([2])  # read back
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 4]}) + "\n")
+    assert NgramPrior.from_data(d, cache).lookup([2]) == ([4], [1.0])  # other data: built again
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
+    assert resolve_prior("off", "random:llama") is None
+    assert resolve_prior(str(d), "random:llama").lookup([2]) == ([4], [1.0])
+    with pytest.raises(ValueError, match="--ngram-prior .*not 'smollm2-135m'"):
+        resolve_prior(str(d), "smollm2-135m")
+    with pytest.raises(ValueError, match="--ngram-prior .*no manifest.json"):
+        resolve_prior(str(tmp_path), "random:llama")
+    with pytest.raises(ValueError, match="--ngram-prior .*no data shards"):
+        (d / "data-00000.jsonl").unlink()
+        resolve_prior(str(d), "random:llama")
+
+
+# -- greedy equality on the real target ------------------------------------------------------------
+class CountingPrior(DrafterProposer):
+    """Counts proposals that the prior changed (the same block without it proposes others)."""
+
+    changed = 0
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen, copy=None, bonus=0.0):
+        p = super().propose(state, anchor, anchor_pos, n, sampling, gen, copy=copy, bonus=bonus)
+        prior, self.prior = self.prior, None
+        try:
+            plain = super().propose(state, anchor, anchor_pos, n, sampling, gen, copy=copy, bonus=bonus)
+        finally:
+            self.prior = prior
+        CountingPrior.changed += int(not torch.equal(plain.tokens, p.tokens))
+        return p
+
+
+@pytest.fixture(scope="module")
+def smol_prior(smol):
+    from dspine.drafter.ngram_prior import committed_data_dir
+    from dspine.data.load import load_dataset
+
+    d = committed_data_dir("smollm2-135m")
+    if d is None:
+        pytest.skip("the repository's committed training data is not here")
+    rows = load_dataset(d, smol)[:1500]
+    return NgramPrior.build((s.input_ids[:s.response_start], s.input_ids[s.response_start:]) for s in rows)
+
+
+def test_greedy_with_prior_equals_ar(smol, smol_prior):
+    from dspine.build import default_drafter_path
+    from dspine.drafter.checkpoint import load_drafter
+
+    drafter = load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
+    prompts = [smol.encode_prompt(t, chat=True) for t in ("Write a Python function that reverses a string.",
+                                                          "What is the capital of France?")]
+    saved = smol.eos_token_ids
+    smol.eos_token_ids = frozenset()
+    CountingPrior.changed = 0
+    try:
+        alone = Engine(smol, CountingPrior(drafter, prior=smol_prior), "dspine")
+        single = [alone.generate(ids, SamplingConfig(), 24) for ids in prompts]
+        be = BatchEngine(Engine(smol, make_proposer("hybrid", DrafterProposer(drafter, prior=smol_prior)), "dspine"),
+                         max_running=2)
+        batched = be.generate_many(prompts, SamplingConfig(), 24)
+    finally:
+        smol.eos_token_ids = saved
+    for ids, r, b in zip(prompts, single, batched):
+        ref = ar_continuation(smol, ids, 24)
+        assert r.token_ids == ref and b.token_ids == ref
+    assert CountingPrior.changed > 0  # the prior really changed what was proposed
+
+
+# -- exact distribution (tiny random target) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny8():
+    from dspine.target.adapter import load_target
+
+    t = load_target("random:llama", vocab_size=8, seed=0)
+    t.eos_token_ids = frozenset()
+    return t
+
+
+PROMPT = [0, 1, 2, 3, 4, 0, 1, 2, 3]
+M = 5
+
+
+@pytest.fixture(scope="module")
+def exact(tiny8):
+    return exact_distribution(tiny8, PROMPT, M, SamplingConfig(**SAMPLING))
+
+
+@pytest.fixture(scope="module")
+def tiny_prior():
+    rng = random.Random(0)  # a memory whose contexts match often and disagree with the drafter
+    rows = [([0], [rng.choice([1, 2, 3, 3, 5, 6]) for _ in range(40)]) for _ in range(30)]
+    return NgramPrior.build(rows, weight=2.0)
+
+
+def _drafter(tiny8):
+    return random_drafter(tiny8, block_size=4, head_topk=3, coarse_k=3)
+
+
+def test_distribution_with_prior(tiny8, exact, tiny_prior):
+    eng = Engine(tiny8, DrafterProposer(_drafter(tiny8), prior=tiny_prior), "dspine")
+    p, impossible, used = sources_chi_square(eng, PROMPT, M, exact, 300)
+    assert impossible == 0
+    assert p > 1e-3, p
+
+
+class ForgetsPriorDrafter(DrafterProposer):
+    """BROKEN: samples the chain with the prior but reports the q of the chain without it."""
+
+    def propose(self, state, anchor, anchor_pos, n, sampling, gen, copy=None, bonus=0.0):
+        p = super().propose(state, anchor, anchor_pos, n, sampling, gen, copy=copy, bonus=bonus)
+        if p.q_probs is None:
+            return p
+        cand, T = self._last_tables
+        qs, j = [], 0
+        for i in range(len(p.tokens)):
+            qs.append(filter_probs(T[i, j], sampling))
+            j = int((cand[i] == p.tokens[i]).nonzero()[0, 0])
+        p.q_probs = torch.stack(qs)
+        return p
+
+    def _tables(self, out, a, n, copy=None, bonus=0.0):
+        self._last_tables = super()._tables(out, a, n, copy, bonus)
+        return self._last_tables
+
+
+def test_distribution_with_prior_wrong_q_fails(tiny8, exact, tiny_prior):
+    """Negative control: the chi-square test must reject the chain verified without the prior's scores."""
+    eng = Engine(tiny8, ForgetsPriorDrafter(_drafter(tiny8), prior=tiny_prior), "dspine")
+    p, _, _ = sources_chi_square(eng, PROMPT, M, exact, 300)
+    assert p < 1e-6, p
