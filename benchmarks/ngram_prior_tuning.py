@@ -38,6 +38,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=12, help="tuning prompts per kind (rows after --prior-rows)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--weights", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0])
+    ap.add_argument("--first-rows", type=int, nargs="+", default=[1],
+                    help="first chain row the prior scores (1: every row), each tried with every weight")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -73,10 +75,11 @@ def main() -> int:
     vocab = resolve("auto", str(path), d.cfg.vocab_size, d.cfg.head_topk)
     res = {"machine": describe(), "args": vars(args), "tune_prompts": {k: len(v) for k, v in tune.items()},
            "tau": {}}
-    for w in args.weights:
+    settings = [(w, f) for f in args.first_rows for w in args.weights]
+    for w, f in settings:
         prop = measured_proposer(d, linears="float32", vocab=vocab, progress=False,
                                  prior=None if w == 0 else NgramPrior(prior.keys, prior.ids, prior.counts,
-                                                                      prior.totals, weight=w))
+                                                                      prior.totals, weight=w, first_row=f))
         eng = Engine(target, prop, "dspine")
         out = {}
         for k, ps in tune.items():
@@ -87,8 +90,8 @@ def main() -> int:
                 emitted += round(st.accepted_length_mean * st.cycles)
                 cycles += st.cycles
             out[k] = round(emitted / max(cycles, 1), 4)
-        res["tau"][str(w)] = out
-        print(f"weight {w}: tau {out}", file=sys.stderr, flush=True)
+        res["tau"][f"weight={w},first_row={f}"] = out
+        print(f"weight {w}, first row {f}: tau {out}", file=sys.stderr, flush=True)
     print(json.dumps(res))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -47,6 +47,23 @@ def test_counts_longest_context_and_hashes():
     assert s.tolist() == pytest.approx([w * np.log(2 / 3 + f), w * np.log(1 / 3 + f), w * np.log(f)], rel=1e-6)
     with pytest.raises(ValueError, match="weight"):
         NgramPrior.build([([1], [2, 3])], weight=-1.0)
+    with pytest.raises(ValueError, match="first_row"):
+        NgramPrior.build([([1], [2, 3])], first_row=0)
+
+
+def test_rows_before_first_row_are_not_scored():
+    mem = NgramPrior.build([([1], [2, 3, 2, 3])], weight=1.0)
+    prop = DrafterProposer.__new__(DrafterProposer)
+    prop.prior = mem
+
+    class State:
+        tail = [1, 2]
+    for first, row1_scored in ((1, True), (2, False)):
+        mem.first_row = first
+        _copy, score = prop._prior_parts(State(), 3, 4, None)
+        s1 = score([], torch.tensor([2, 5]))  # row 1 after ... 1 2 | 3: the memory says 2
+        assert bool(s1.any()) is row1_scored
+        assert score([2], torch.tensor([3, 5]))[0] > score([2], torch.tensor([3, 5]))[1]  # row 2 always
 
 
 def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, monkeypatch):
@@ -187,3 +204,22 @@ def test_distribution_with_prior_wrong_q_fails(tiny8, exact, tiny_prior):
     eng = Engine(tiny8, ForgetsPriorDrafter(_drafter(tiny8), prior=tiny_prior), "dspine")
     p, _, _ = sources_chi_square(eng, PROMPT, M, exact, 300)
     assert p < 1e-6, p
+
+
+def test_settings_are_checked():
+    from dspine.config import ConfigError, SpeculativeConfig
+
+    for bad in (-1.0, float("nan"), True, "0.5"):
+        with pytest.raises(ConfigError, match="SpeculativeConfig.ngram_prior_weight"):
+            SpeculativeConfig(ngram_prior_weight=bad)
+    with pytest.raises(ConfigError, match="SpeculativeConfig.ngram_prior"):
+        SpeculativeConfig(ngram_prior="")
+    assert SpeculativeConfig().ngram_prior == "off"
+
+
+def test_cli_names_a_bad_prior_directory(tmp_path, capsys):
+    from dspine.cli.main import main
+
+    assert main(["generate", "hi", "--target", "random:llama", "--drafter", "random", "--max-new-tokens", "2",
+                 "--ngram-prior", str(tmp_path), "--verify-policy", "fixed", "--threads", "1"]) == 2
+    assert "--ngram-prior" in capsys.readouterr().err

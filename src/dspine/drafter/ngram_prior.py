@@ -68,12 +68,17 @@ class NgramPrior:
     Arrays (sorted by key): keys [U] uint64, ids [U, TOP] int32 (-1 = none), counts
     [U, TOP] int32, totals [U] int32. ``weight`` scales the log-probability added to the
     final stage's logits; ``floor`` is the probability of a token the memory never saw
-    after the context.
+    after the context; rows before ``first_row`` are not scored (row 1 is where the
+    drafter's own guess is strongest).
     """
 
-    def __init__(self, keys, ids, counts, totals, weight: float = 0.5, floor: float = 1e-3, source: str = ""):
+    def __init__(self, keys, ids, counts, totals, weight: float = 0.5, floor: float = 1e-3, source: str = "",
+                 first_row: int = 1):
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"ngram prior weight must be a finite number >= 0, got {weight!r}")
+        if isinstance(first_row, bool) or not isinstance(first_row, int) or first_row < 1:
+            raise ValueError(f"ngram prior first_row must be an integer >= 1, got {first_row!r}")
+        self.first_row = first_row
         if not 0 < floor < 1:
             raise ValueError(f"ngram prior floor must be in (0, 1), got {floor!r}")
         self.keys, self.ids, self.counts, self.totals = keys, ids, counts, totals

@@ -91,7 +91,12 @@ class DrafterProposer(Proposer):
         if not copy:
             copy = self.prior.chain(ctx, n) or None
         prior = self.prior
-        return copy, (lambda chosen, cand_i: prior.scores(ctx + chosen, cand_i))
+
+        def score(chosen: list[int], cand_i: torch.Tensor) -> torch.Tensor:
+            if len(chosen) + 1 < prior.first_row:  # row len(chosen) + 1 is not scored
+                return torch.zeros(cand_i.shape, dtype=torch.float32)
+            return prior.scores(ctx + chosen, cand_i)
+        return copy, score
 
     def state_nbytes(self, state) -> int:
         """Bytes of ``state``'s draft context K/V."""
