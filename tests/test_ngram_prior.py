@@ -66,7 +66,7 @@ def test_rows_before_first_row_are_not_scored():
         assert score([2], torch.tensor([3, 5]))[0] > score([2], torch.tensor([3, 5]))[1]  # row 2 always
 
 
-def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, monkeypatch):
+def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, monkeypatch, capsys):
     d = tmp_path / "data"
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
@@ -84,6 +84,12 @@ def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, mo
         resolve_prior(str(d), "smollm2-135m")
     with pytest.raises(ValueError, match="--ngram-prior .*no manifest.json"):
         resolve_prior(str(tmp_path), "random:llama")
+    from dspine.cli.main import main  # dspine memory counts the table as built
+
+    capsys.readouterr()
+    assert main(["memory", "--config", "small", "--target", "random:llama", "--ngram-prior", str(d), "--json"]) == 0
+    rows = {r["key"]: r["bytes"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["ngram_prior"] == resolve_prior(str(d), "random:llama").nbytes() > 0
     with pytest.raises(ValueError, match="--ngram-prior .*no data shards"):
         (d / "data-00000.jsonl").unlink()
         resolve_prior(str(d), "random:llama")

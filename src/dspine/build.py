@@ -207,6 +207,12 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
             vocab = resolve_vocab(draft_vocab, path, model.cfg.vocab_size, model.cfg.head_topk)
             prior = (resolve_prior(ngram_prior, target.name, ngram_prior_weight)
                      if model.cfg.final_stage else None)
+            if ngram_prior != "off" and prior is None:  # said, not silently dropped
+                import sys
+
+                why = ("the DFlash-style drafter has no final stage to score" if not model.cfg.final_stage else
+                       f"no committed training data for target {target.name!r} (give a data directory)")
+                print(f"dspine: note: --ngram-prior {ngram_prior} is off: {why}", file=sys.stderr, flush=True)
             drafting = measured_proposer(model, head_kernel=head_kernel, linears=drafter_linears, vocab=vocab,
                                          progress=progress, prior=prior)
             prop = make_proposer(proposer, drafting, ngram_max=ngram_max, ngram_min=ngram_min,
