@@ -173,12 +173,12 @@ def test_a_failing_request_leaves_the_others_unchanged(target, prompts, ref_gree
     bad = {"gen": None, "calls": 0}
     real = verify_mod.verify if where == "verification" else draft_mod.chain
 
-    def failing_for_one(*args):
-        if args[-1] is bad["gen"]:  # both take the request's generator last
+    def failing_for_one(*args, **kw):
+        if args[-1] is bad["gen"]:  # both take the request's generator last among positional arguments
             bad["calls"] += 1
             if bad["calls"] >= 3:  # from its third cycle on: it has emitted a few tokens already
                 raise RuntimeError(f"injected {where} failure")
-        return real(*args)
+        return real(*args, **kw)
 
     if where == "verification":
         monkeypatch.setattr(verify_mod, "verify", failing_for_one)  # behind verify_proposal

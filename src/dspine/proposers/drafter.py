@@ -177,7 +177,7 @@ class DrafterProposer(Proposer):
         if self.cfg.final_stage:
             copy, prior = self._prior_parts(state, anchor, n, copy)
             cand, T = self._tables(out, a, n, copy, bonus)  # [n, K], [n, K, K]
-            ch = chain(T, cand, n, sampling, gen, prior)
+            ch = chain(T, cand, n, sampling, gen, prior=prior)
             t2 = time.perf_counter()
             return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
         if sampling.greedy and self.qhead is not None:  # argmax via the shared candidate pass
@@ -336,7 +336,7 @@ def propose_batch(prop: DrafterProposer, reqs: list, positions: list[int], ns: l
         shared = (t2 - t1) / b
         for j, r in enumerate(reqs):
             tc = time.perf_counter()
-            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen, parts[j][1])
+            ch = chain(T[j], cand[j], ns[j], r.sampling, r.gen, prior=parts[j][1])
             res.append(Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=(t1 - t0) / b,
                                 final_s=shared + time.perf_counter() - tc))
         return res
