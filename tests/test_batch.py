@@ -220,11 +220,11 @@ def test_retried_batched_draft_keeps_every_sampled_output(target, prompts, spec,
     single = [spec.generate(p, s, m).token_ids for p, s, m in zip(prompts[:4], samp, LENS[:4])]
     real, calls = draft_mod.chain, {"n": 0}
 
-    def chain_failing_once(*args):
+    def chain_failing_once(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 6:  # inside a batched call, after other requests' chains drew
             raise RuntimeError("transient failure")
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(draft_mod, "chain", chain_failing_once)
     got = BatchEngine(spec, 4).generate_many(prompts[:4], samp, LENS[:4])
