@@ -63,21 +63,30 @@ def shipped_dspine(smol):
     return load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
 
 
-def test_greedy_fused_equals_ar_single_and_batched(smol, shipped_dspine):
-    prompts = [smol.encode_prompt(t, chat=True) for t in (COPY_PROMPT, "List three colors and their hex codes.")]
+def equal_ar_single_and_batched(smol, prompts: list[list[int]], single_proposer, batch_proposer, n: int = 24):
+    """Greedy runs of ``prompts`` (EOS off) by an engine of ``single_proposer`` one at a time and
+    by a batched engine of ``batch_proposer``: asserts both emit exactly ``ar``'s ids; returns
+    (single results, batched results)."""
     saved = smol.eos_token_ids
     smol.eos_token_ids = frozenset()
     try:
-        eng = Engine(smol, make_proposer("hybrid", DrafterProposer(shipped_dspine), copy_bonus=4.0), "dspine")
-        single = [eng.generate(ids, SamplingConfig(), 24) for ids in prompts]
-        be = BatchEngine(Engine(smol, make_proposer("hybrid", DrafterProposer(shipped_dspine), copy_bonus=4.0),
-                                "dspine"), max_running=2)
-        batched = be.generate_many(prompts, SamplingConfig(), 24)
+        eng = Engine(smol, single_proposer, "dspine")
+        single = [eng.generate(ids, SamplingConfig(), n) for ids in prompts]
+        batched = BatchEngine(Engine(smol, batch_proposer, "dspine"), max_running=2).generate_many(
+            prompts, SamplingConfig(), n)
     finally:
         smol.eos_token_ids = saved
     for ids, r, b in zip(prompts, single, batched):
-        ref = ar_continuation(smol, ids, 24)
+        ref = ar_continuation(smol, ids, n)
         assert r.token_ids == ref and b.token_ids == ref
+    return single, batched
+
+
+def test_greedy_fused_equals_ar_single_and_batched(smol, shipped_dspine):
+    prompts = [smol.encode_prompt(t, chat=True) for t in (COPY_PROMPT, "List three colors and their hex codes.")]
+    single, batched = equal_ar_single_and_batched(
+        smol, prompts, make_proposer("hybrid", DrafterProposer(shipped_dspine), copy_bonus=4.0),
+        make_proposer("hybrid", DrafterProposer(shipped_dspine), copy_bonus=4.0))
     used = collections.Counter()
     for r in single + batched:
         used.update({k: v["cycles"] for k, v in r.stats.sources.items()})
@@ -152,12 +161,18 @@ class ForgetsBonusDrafter(DrafterProposer):
         if not copy or p.q_probs is None:
             return p
         cand, T0 = self._plain
-        qs, j = [], 0
-        for i in range(len(p.tokens)):
-            qs.append(filter_probs(T0[i, j], sampling))
-            j = int((cand[i] == p.tokens[i]).nonzero()[0, 0])
-        p.q_probs = torch.stack(qs)
+        p.q_probs = q_along(cand, T0, p.tokens, sampling)
         return p
+
+
+def q_along(cand: torch.Tensor, T: torch.Tensor, tokens: torch.Tensor, sampling) -> torch.Tensor:
+    """The q a chain over tables ``T`` [n, K, K] (candidates ``cand`` [n, K]) would report
+    for the path ``tokens``: row i's filtered softmax given the predecessor's slot."""
+    qs, j = [], 0
+    for i in range(len(tokens)):
+        qs.append(filter_probs(T[i, j], sampling))
+        j = int((cand[i] == tokens[i]).nonzero()[0, 0])
+    return torch.stack(qs)
 
 
 @pytest.mark.slow  # --copy-bonus is opt-in; the default suite stays under ~15 min on 2 cores

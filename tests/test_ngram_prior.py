@@ -16,16 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ar_continuation
-from dspine.config import SamplingConfig
-from dspine.core.batch import BatchEngine
 from dspine.core.engine import Engine
-from dspine.core.sampling import filter_probs
-from dspine.drafter.checkpoint import random_drafter
 from dspine.drafter.ngram_prior import NgramPrior, _key, _keys, resolve_prior
 from dspine.proposers import make_proposer
 from dspine.proposers.drafter import DrafterProposer
-from test_policy import SAMPLING, exact_distribution, sources_chi_square
+from test_fused_copies import (M, PROMPT, _drafter, equal_ar_single_and_batched, exact, q_along,  # noqa: F401
+                               shipped_dspine, tiny8)
+from test_policy import sources_chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,58 +121,21 @@ def smol_prior(smol):
     return NgramPrior.build((s.input_ids[:s.response_start], s.input_ids[s.response_start:]) for s in rows)
 
 
-def test_greedy_with_prior_equals_ar(smol, smol_prior):
-    from dspine.build import default_drafter_path
-    from dspine.drafter.checkpoint import load_drafter
-
-    drafter = load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol)
+def test_greedy_with_prior_equals_ar(smol, smol_prior, shipped_dspine):
     prompts = [smol.encode_prompt(t, chat=True) for t in ("Write a Python function that reverses a string.",
                                                           "What is the capital of France?")]
-    saved = smol.eos_token_ids
-    smol.eos_token_ids = frozenset()
     CountingPrior.changed = 0
-    try:
-        alone = Engine(smol, CountingPrior(drafter, prior=smol_prior), "dspine")
-        single = [alone.generate(ids, SamplingConfig(), 24) for ids in prompts]
-        be = BatchEngine(Engine(smol, make_proposer("hybrid", DrafterProposer(drafter, prior=smol_prior)), "dspine"),
-                         max_running=2)
-        batched = be.generate_many(prompts, SamplingConfig(), 24)
-    finally:
-        smol.eos_token_ids = saved
-    for ids, r, b in zip(prompts, single, batched):
-        ref = ar_continuation(smol, ids, 24)
-        assert r.token_ids == ref and b.token_ids == ref
+    equal_ar_single_and_batched(smol, prompts, CountingPrior(shipped_dspine, prior=smol_prior),
+                                make_proposer("hybrid", DrafterProposer(shipped_dspine, prior=smol_prior)))
     assert CountingPrior.changed > 0  # the prior really changed what was proposed
 
 
-# -- exact distribution (tiny random target) ------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny8():
-    from dspine.target.adapter import load_target
-
-    t = load_target("random:llama", vocab_size=8, seed=0)
-    t.eos_token_ids = frozenset()
-    return t
-
-
-PROMPT = [0, 1, 2, 3, 4, 0, 1, 2, 3]
-M = 5
-
-
-@pytest.fixture(scope="module")
-def exact(tiny8):
-    return exact_distribution(tiny8, PROMPT, M, SamplingConfig(**SAMPLING))
-
-
+# -- exact distribution (tiny random target: the fused-copy tests' target, prompt and drafter) --------
 @pytest.fixture(scope="module")
 def tiny_prior():
     rng = random.Random(0)  # a memory whose contexts match often and disagree with the drafter
     rows = [([0], [rng.choice([1, 2, 3, 3, 5, 6]) for _ in range(40)]) for _ in range(30)]
     return NgramPrior.build(rows, weight=2.0)
-
-
-def _drafter(tiny8):
-    return random_drafter(tiny8, block_size=4, head_topk=3, coarse_k=3)
 
 
 def test_distribution_with_prior(tiny8, exact, tiny_prior):
@@ -193,11 +153,7 @@ class ForgetsPriorDrafter(DrafterProposer):
         if p.q_probs is None:
             return p
         cand, T = self._last_tables
-        qs, j = [], 0
-        for i in range(len(p.tokens)):
-            qs.append(filter_probs(T[i, j], sampling))
-            j = int((cand[i] == p.tokens[i]).nonzero()[0, 0])
-        p.q_probs = torch.stack(qs)
+        p.q_probs = q_along(cand, T, p.tokens, sampling)
         return p
 
     def _tables(self, out, a, n, copy=None, bonus=0.0):
