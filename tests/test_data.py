@@ -116,6 +116,11 @@ def test_a_prompt_holding_an_eval_prompt_is_eval_only(tmp_path):
     ]) + "\n")
     assert [r["id"] for r in S.training_prompts(str(p))] == ["c", "d"]
     assert S.contains_eval_text("x " + he) and not S.contains_eval_text(he[: len(he) // 2])
+    q = S.load_mtbench()[0]["turns"][0]  # punctuation glued to the eval text, other roles
+    for wrapped in (f'Answer this: "{q}"', f"Task:{q}", f"({q})", f"```{he}```", f'Fix this: """{he}'):
+        assert S.contains_eval_text(wrapped), wrapped[:40]
+    assert S.is_eval_record({"messages": [{"role": "system", "content": he},
+                                          {"role": "user", "content": "Complete the function above."}]})
 
 
 def test_sharegpt_stream_stops_at_truncation(tmp_path):
@@ -557,6 +562,20 @@ def test_resume_switches_generator_only_where_the_new_one_reproduces_the_last_ro
         out = tmp_path / f"ds-{first}"
         B.build_dataset(tiny, [src], out, max_new_tokens=6, batch_size=4, max_prompts=SWITCH_CHECK_ROWS + 1,
                         progress=False, generator=first)
+        shard = sorted(out.glob("data-*.jsonl"))[-1]
+        for tamper in ("longer", "finished"):  # a row longer than its answer, or with another end, is no match
+            before = shard.read_text()
+            lines = before.splitlines()
+            row = json.loads(lines[-1])
+            if tamper == "longer":
+                row["response_ids"] += [5, 5, 5]
+            else:
+                row["finished"] = not row["finished"]
+            shard.write_text("\n".join(lines[:-1] + [json.dumps(row)]) + "\n")
+            with pytest.raises(ValueError, match=f"row {row['id']!r}"):
+                B.build_dataset(tiny, [src], out, max_new_tokens=6, batch_size=4, progress=False, resume=True,
+                                generator=other)
+            shard.write_text(before)
         bad = _tamper_last_row(out)  # negative control: a row the new generator does not reproduce
         before = {p.name: p.read_bytes() for p in out.iterdir()}
         with pytest.raises(ValueError, match=f"--generator {first!r}.*row {bad!r}"):

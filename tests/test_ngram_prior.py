@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from dspine.core.engine import Engine
-from dspine.drafter.ngram_prior import NgramPrior, _key, _keys, resolve_prior
+from dspine.data.prior import prior_from_data, resolve_prior
+from dspine.drafter.ngram_prior import NgramPrior, _key, _keys
 from dspine.proposers import make_proposer
 from dspine.proposers.drafter import DrafterProposer
 from test_fused_copies import (M, PROMPT, _drafter, equal_ar_single_and_batched, exact, q_along,  # noqa: F401
@@ -63,33 +64,57 @@ def test_rows_before_first_row_are_not_scored():
         assert score([2], torch.tensor([3, 5]))[0] > score([2], torch.tensor([3, 5]))[1]  # row 2 always
 
 
-def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, monkeypatch, capsys):
+def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, monkeypatch):
     d = tmp_path / "data"
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
     (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3, 2, 4]}) + "\n")
     cache = tmp_path / "cache"
-    a = NgramPrior.from_data(d, cache)
+    a = prior_from_data(d, cache)
     assert a.lookup([2]) == ([3, 4], [0.5, 0.5]) and len(list(cache.glob("*.npz"))) == 1
-    assert NgramPrior.from_data(d, cache).lookup([2]) == a.lookup([2])  # read back
+    assert prior_from_data(d, cache).lookup([2]) == a.lookup([2])  # read back
     (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 4]}) + "\n")
-    assert NgramPrior.from_data(d, cache).lookup([2]) == ([4], [1.0])  # other data: built again
+    assert prior_from_data(d, cache).lookup([2]) == ([4], [1.0])  # other data: built again
     monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
     assert resolve_prior("off", "random:llama") is None
     assert resolve_prior(str(d), "random:llama").lookup([2]) == ([4], [1.0])
-    with pytest.raises(ValueError, match="--ngram-prior .*not 'smollm2-135m'"):
+    with pytest.raises(ValueError, match="--ngram-prior .*not of 'smollm2-135m'"):
         resolve_prior(str(d), "smollm2-135m")
     with pytest.raises(ValueError, match="--ngram-prior .*no manifest.json"):
         resolve_prior(str(tmp_path), "random:llama")
-    from dspine.cli.main import main  # dspine memory counts the table as built
-
-    capsys.readouterr()
-    assert main(["memory", "--config", "small", "--target", "random:llama", "--ngram-prior", str(d), "--json"]) == 0
-    rows = {r["key"]: r["bytes"] for r in json.loads(capsys.readouterr().out)["rows"]}
-    assert rows["ngram_prior"] == resolve_prior(str(d), "random:llama").nbytes() > 0
-    with pytest.raises(ValueError, match="--ngram-prior .*no data shards"):
-        (d / "data-00000.jsonl").unlink()
+    shard = d / "data-00000.jsonl"
+    for damaged, why in (('{"prompt": "x"}', "line 1"), ('{"id": "a", "prompt_ids": [1], "response_ids": [1.5]}', "line 1"),
+                         ("", "no answer tokens")):
+        shard.write_text(damaged + ("\n" if damaged else ""))
+        with pytest.raises(ValueError, match=f"--ngram-prior .*{why}"):
+            resolve_prior(str(d), "random:llama")
+    (d / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="--ngram-prior .*manifest.json is damaged"):
         resolve_prior(str(d), "random:llama")
+    (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
+    with pytest.raises(ValueError, match="--ngram-prior .*no data shards"):
+        shard.unlink()
+        resolve_prior(str(d), "random:llama")
+
+
+def test_the_table_refuses_other_vocabularies_and_rebuilds_a_broken_cache(tmp_path):
+    from dspine.target.adapter import load_target
+
+    tiny = load_target("random:llama")
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"target": tiny.name}))
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1],
+                                                    "response_ids": [2, tiny.vocab_size + 5]}) + "\n")
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        prior_from_data(d, tmp_path / "cache", vocab_size=tiny.vocab_size)
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3]}) + "\n")
+    prior_from_data(d, tmp_path / "cache")
+    (cached,) = (tmp_path / "cache").glob("*.npz")
+    cached.write_bytes(b"not a zip file")  # a damaged cache file is built again, not an error
+    assert prior_from_data(d, tmp_path / "cache").lookup([2]) == ([3], [1.0])
+    with pytest.raises(ValueError, match="weight"):
+        NgramPrior.build([([1], [2, 3])], weight=1e38)  # float32 scores would overflow
 
 
 # -- greedy equality on the real target ------------------------------------------------------------
@@ -111,7 +136,7 @@ class CountingPrior(DrafterProposer):
 
 @pytest.fixture(scope="module")
 def smol_prior(smol):
-    from dspine.drafter.ngram_prior import committed_data_dir
+    from dspine.data.prior import committed_data_dir
     from dspine.data.load import load_dataset
 
     d = committed_data_dir("smollm2-135m")

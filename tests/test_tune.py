@@ -77,7 +77,7 @@ def test_the_progress_line_says_whether_a_measurement_is_kept(monkeypatch, tmp_p
     monkeypatch.setenv("DSPINE_HOME", str(tmp_path))
     for env, said, not_said in (("off", "kept in this process only", "cached"), ("on", "once; cached", "process")):
         monkeypatch.setenv("DSPINE_TUNE", env)
-        choose_fastest(f"t:progress:{env}", noop, timer=t, redo=True, progress=True)
+        choose_fastest(f"progress-line:{env}", noop, timer=t, redo=True, progress=True)
         line = [x for x in capsys.readouterr().err.splitlines() if "measuring" in x][0]
         assert said in line and not_said not in line
 

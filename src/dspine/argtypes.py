@@ -14,6 +14,7 @@ PROPOSER_NAMES = ("drafter", "ngram", "hybrid")
 #: bound for the per-cycle size (``--tree-size cost``): the budget that was fastest with the default
 #: proposer and cost policy in benchmarks/archive/tree_size.json (AVX2 AMD EPYC; docs/decisions.md
 #: "Per-cycle tree size"); ``acceptance`` defaults to chains (0)
+MAX_NGRAM_PRIOR_WEIGHT = 100.0  # --ngram-prior-weight (dspine.drafter.ngram_prior: log P >= log 0.001)
 DEFAULT_TREE_BUDGET = 16
 DEFAULT_SERVE_TREE_BUDGET = 16  # `dspine serve` (measured: docs/decisions.md, 2026-12-03)
 #: ``--tree-size``: ``fixed`` verifies every node the budget allows; ``cost`` the best-first
@@ -164,5 +165,13 @@ def add_ngram_prior_args(p, default: str = "off") -> None:
                    help="DSpine drafters: score the final stage's chain with counts of what the target wrote "
                         "after the same 1-6 tokens in its regenerated training answers (auto: the repository's "
                         f"committed data for the target; DIR: a `dspine data build` directory); default {default}")
-    p.add_argument("--ngram-prior-weight", type=nonneg_float, default=0.5, metavar="W",
-                   help="weight of the prior's log-probability in the chain's scores (default 0.5)")
+    p.add_argument("--ngram-prior-weight", type=prior_weight, default=0.5, metavar="W",
+                   help="weight of the prior's log-probability in the chain's scores (0..100, default 0.5)")
+
+
+def prior_weight(text: str) -> float:
+    """``--ngram-prior-weight``: a number in 0..100."""
+    v = nonneg_float(text)
+    if v > MAX_NGRAM_PRIOR_WEIGHT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_NGRAM_PRIOR_WEIGHT:g}, got {text}")
+    return v

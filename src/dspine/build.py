@@ -187,14 +187,14 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
     (its defaults are there); ``head_kernel`` / ``drafter_linears`` / ``draft_vocab``: see
     :class:`dspine.proposers.drafter.DrafterProposer` and :mod:`dspine.drafter.vocab`;
     ``ngram_*`` / ``copy_bonus``: :func:`dspine.proposers.make_proposer`; ``ngram_prior`` /
-    ``ngram_prior_weight``: :func:`dspine.drafter.ngram_prior.resolve_prior` (DSpine drafters).
+    ``ngram_prior_weight``: :func:`dspine.data.prior.resolve_prior` (DSpine drafters).
 
     Raises:
         EngineError: a drafter setting that cannot run here, naming the setting.
     """
     import torch
 
-    from dspine.drafter.ngram_prior import resolve_prior
+    from dspine.data.prior import resolve_prior
     from dspine.drafter.vocab import DraftVocabError, resolve as resolve_vocab
     from dspine.core.engine import Engine, EngineError
     from dspine.tune.controller import make_policy
@@ -205,7 +205,7 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
     with torch.no_grad():
         try:
             vocab = resolve_vocab(draft_vocab, path, model.cfg.vocab_size, model.cfg.head_topk)
-            prior = (resolve_prior(ngram_prior, target.name, ngram_prior_weight)
+            prior = (resolve_prior(ngram_prior, target, ngram_prior_weight)
                      if model.cfg.final_stage else None)
             if ngram_prior != "off" and prior is None:  # said, not silently dropped
                 import sys

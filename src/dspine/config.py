@@ -17,7 +17,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from dspine.argtypes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, MAX_TREE_BUDGET, PROPOSER_NAMES, TREE_SIZES
+from dspine.argtypes import (DEFAULT_TREE_BUDGET, DEFAULT_TREE_SIZE, MAX_NGRAM_PRIOR_WEIGHT, MAX_TREE_BUDGET,
+                             PROPOSER_NAMES, TREE_SIZES)
 
 #: the engine modes (``ar`` = the target alone; the drafters' architectures)
 ENGINE_MODES = ("ar", "dflash", "dspine")
@@ -333,9 +334,10 @@ class SpeculativeConfig:
         if self.copy_bonus is not None and (isinstance(self.copy_bonus, bool) or not isinstance(self.copy_bonus, (int, float))
                                             or not (math.isfinite(self.copy_bonus) and self.copy_bonus >= 0)):
             raise bad("copy_bonus", "must be None or a finite number >= 0")
-        if isinstance(self.ngram_prior_weight, bool) or not isinstance(self.ngram_prior_weight, (int, float)) \
-                or not (math.isfinite(self.ngram_prior_weight) and self.ngram_prior_weight >= 0):
-            raise bad("ngram_prior_weight", "must be a finite number >= 0")
+        w = self.ngram_prior_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_NGRAM_PRIOR_WEIGHT:
+            raise bad("ngram_prior_weight", f"must be a number in 0..{MAX_NGRAM_PRIOR_WEIGHT:g} (a weight on "
+                                            f"log-probabilities; float32 scores overflow far above that)")
         if not isinstance(self.persist, bool):
             raise bad("persist", "must be True or False")
 

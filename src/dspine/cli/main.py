@@ -183,6 +183,19 @@ def proposer_notes(args) -> list[str]:
     notes = []
     prop = getattr(args, "proposer", DEFAULT_PROPOSER)
     ngram_set = (getattr(args, "ngram_max", 4), getattr(args, "ngram_min", 1)) != (4, 1)
+    prior = getattr(args, "ngram_prior", "off")
+    prior_set = prior != "off" or getattr(args, "ngram_prior_weight", 0.5) != 0.5
+    if prior_set and (args.mode == "ar" or prop == "ngram"):
+        notes.append("--ngram-prior / --ngram-prior-weight ignored: "
+                     + ("--mode ar drafts nothing" if args.mode == "ar" else "--proposer ngram runs no drafter"))
+    elif prior == "off" and prior_set:
+        notes.append("--ngram-prior-weight ignored: --ngram-prior is off")
+    elif prior != "off" and args.mode == "dspine":
+        budget = getattr(args, "tree_budget", None)
+        budget = getattr(args, "tree_budget_default", 0) if budget is None else budget
+        if budget:
+            notes.append(f"--ngram-prior scores chains only: cycles that verify a draft tree (--tree-budget "
+                         f"{budget}) are built without it (--tree-budget 0: chains every cycle)")
     if args.mode == "ar":
         if prop != DEFAULT_PROPOSER or ngram_set:
             notes.append("--proposer / --ngram-max / --ngram-min ignored: --mode ar proposes nothing")

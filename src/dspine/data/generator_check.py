@@ -48,12 +48,14 @@ def check_switch(out: Path, old: str, new: str, generate, max_new_tokens: int,
     """
     sample = last_rows(out, rows)
     outs = generate([r["prompt_ids"] for r in sample])
-    for row, (resp, _fin) in zip(sample, outs):
-        want = list(row["response_ids"])[:max_new_tokens]
-        if list(resp) != want:
+    for row, (resp, fin) in zip(sample, outs):
+        want = list(row["response_ids"])  # the whole stored answer: a longer one is not reproduced either
+        if list(resp) != want or bool(fin) != bool(row.get("finished")):
             j = next((i for i, (a, b) in enumerate(zip(resp, want)) if a != b), min(len(resp), len(want)))
+            how = (f"differently from token {j} on ({len(resp)} vs {len(want)} tokens)" if list(resp) != want else
+                   f"with finished={bool(fin)}, the row says {bool(row.get('finished'))}")
             raise ValueError(
                 f"{out} was built with --generator {old!r}; this run's --generator {new!r} answers its row "
-                f"{row['id']!r} differently from token {j} on ({len(resp)} vs {len(want)} tokens): resuming "
-                f"would mix rows of two different decoders; resume with --generator {old!r} or use another --out")
+                f"{row['id']!r} {how}: resuming would mix rows of two different decoders; resume with "
+                f"--generator {old!r} or use another --out")
     return {"against": old, "rows": len(sample), "same": len(sample)}

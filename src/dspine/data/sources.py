@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -225,31 +226,48 @@ def eval_texts() -> frozenset[str]:
 CONTAINED_MIN_WORDS = 8  # eval texts this long are found inside longer prompts too
 
 
+def _words(text: str) -> str:
+    """Lower-case words and single punctuation marks, space-separated: ``Task:"Write`` and
+    ``task : " write`` read the same (containment must not depend on what is glued to the
+    eval text's first or last word)."""
+    return " ".join(re.sub(r"([^\w\s])", r" \1 ", text.lower()).split())
+
+
 @lru_cache(maxsize=1)
 def _eval_openings() -> dict[str, tuple[str, ...]]:
-    """Eval texts of at least :data:`CONTAINED_MIN_WORDS` words, by their first that many
-    words (what :func:`contains_eval_text` looks up)."""
+    """Eval texts of at least :data:`CONTAINED_MIN_WORDS` words (as :func:`_words`), by their
+    first that many words (what :func:`contains_eval_text` looks up)."""
     index: dict[str, list[str]] = {}
     for t in eval_texts():
-        words = t.split(" ")
+        w = _words(t)
+        words = w.split(" ")
         if len(words) >= CONTAINED_MIN_WORDS:
-            index.setdefault(" ".join(words[:CONTAINED_MIN_WORDS]), []).append(t)
+            index.setdefault(" ".join(words[:CONTAINED_MIN_WORDS]), []).append(w)
     return {k: tuple(v) for k, v in index.items()}
 
 
 def contains_eval_text(text: str) -> bool:
     """True when ``text`` holds a whole eval or held-out prompt of at least
-    :data:`CONTAINED_MIN_WORDS` words (normalized as :func:`_norm`): a HumanEval prompt with
-    an instruction around it is still that prompt. Shorter eval texts count only as exact
-    matches (``"Now rewrite it."`` inside a longer prompt is not a leak)."""
-    norm = _norm(text)
-    words = norm.split(" ")
+    :data:`CONTAINED_MIN_WORDS` words (compared as :func:`_words`: case, spacing and
+    punctuation glued to a word do not matter): a HumanEval prompt under an instruction or
+    in quotes is still that prompt. Shorter eval texts count only as exact matches
+    (``"Now rewrite it."`` inside a longer prompt is not a leak)."""
+    norm = " " + _words(text) + " "
+    words = norm.split()
     index = _eval_openings()
     for i in range(len(words) - CONTAINED_MIN_WORDS + 1):
         for t in index.get(" ".join(words[i:i + CONTAINED_MIN_WORDS]), ()):
-            if t in norm:
+            if " " + t + " " in norm:
                 return True
     return False
+
+
+def _all_text(rec: dict) -> str:
+    """Every text a record gives the target: its prompt, or all its messages' contents
+    (system and tool messages too: an eval prompt there leaks as much as in a user turn)."""
+    if "prompt" in rec:
+        return rec["prompt"]
+    return "\n".join(str(m.get("content") or "") for m in rec.get("messages", []))
 
 
 def _record_text(rec: dict) -> str:
@@ -268,8 +286,7 @@ def is_eval_record(rec: dict) -> bool:
     mod = rec.get("module") or (rid.split(":", 1)[0] if rec.get("source") == "stdlib" else None)
     if mod and is_heldout_module(mod):
         return True
-    text = _record_text(rec)
-    return _norm(text) in eval_texts() or contains_eval_text(text)
+    return _norm(_record_text(rec)) in eval_texts() or contains_eval_text(_all_text(rec))
 
 
 def training_prompts(source: str, **kwargs) -> Iterator[dict]:

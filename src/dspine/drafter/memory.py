@@ -102,8 +102,7 @@ def ring_buffer_positions(context: int, window: int) -> int:
 def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
              dtype: str = "bfloat16", target_dtype: str | None = None,
              profile: str = "", head_kernels: tuple[str, ...] = ("int8",), tree_budget: int = 0,
-             ngram_cache_tokens: int = 0, ngram_max: int = 4, draft_vocab: int = 0,
-             ngram_prior_bytes: int = 0) -> MemoryReport:
+             ngram_cache_tokens: int = 0, ngram_max: int = 4, draft_vocab: int = 0) -> MemoryReport:
     """Footprint of drafter ``cfg`` (+ ``target``) in ``dtype``.
 
     ``head_kernels``: the candidate-pass kernels a run keeps (:mod:`dspine.tune.head`;
@@ -207,9 +206,6 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
                         bytes_bound(ngram_cache_tokens, ngram_max),
                         f"upper bound: 8 B per token + {ngram_max} index slots x ~{BYTES_PER_SLOT} B "
                         f"(Python objects; serve --ngram-cache-tokens)"))
-    if ngram_prior_bytes > 0:  # --ngram-prior: one table shared by all requests
-        rows.append(Row("ngram_prior", "n-gram prior of the final stage (--ngram-prior)", ngram_prior_bytes,
-                        "context keys, top continuations and counts, measured from the built table"))
     if concurrency > 8:
         notes.append(f"concurrency {concurrency} is above the validated limit 8 (the runtime refuses it)")
     return MemoryReport(profile=profile or cfg.mode, dtype=dtype if isinstance(dtype, str) else str(dtype),
@@ -270,18 +266,9 @@ def cmd_memory(args) -> int:
 
         ids = load_draft_vocab(args.config, cfg.vocab_size, cfg.head_topk)
         vocab = 0 if ids is None else int(ids.numel())
-    prior_bytes = 0
-    if args.ngram_prior != "off":  # the table as built (or read from its cache) for this target
-        from dspine.drafter.ngram_prior import resolve_prior
-
-        prior = resolve_prior(args.ngram_prior, args.target or "smollm2-135m")
-        if prior is None:
-            raise ConfigError(f"--ngram-prior {args.ngram_prior}: no committed training data for target "
-                              f"{args.target or 'smollm2-135m'!r}; give a data directory")
-        prior_bytes = prior.nbytes()
     rep = estimate(cfg, spec, context=args.context, concurrency=args.concurrency, dtype=args.dtype,
                    profile=profile, tree_budget=args.tree_budget, ngram_cache_tokens=args.ngram_cache_tokens,
-                   ngram_max=args.ngram_max, draft_vocab=vocab, ngram_prior_bytes=prior_bytes)
+                   ngram_max=args.ngram_max, draft_vocab=vocab)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -309,8 +296,6 @@ def add_memory_parser(sub) -> None:
                    help="serve --ngram-cache-tokens: adds the cross-request output cache's bound")
     p.add_argument("--ngram-max", type=positive_int, default=4,
                    help="serve --ngram-max (index slots per cached token)")
-    p.add_argument("--ngram-prior", default="off", metavar="off|auto|DIR",
-                   help="generate --ngram-prior: adds the n-gram prior's table (built or read from its cache)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_memory)
 

@@ -8,7 +8,8 @@ same 1-6 tokens in its regenerated training answers chain far better (rows 1..4 
 0.104 vs 0.042 on code), though they guess row 1 less often (0.405 vs 0.454). The prior
 adds ``weight * log(P(v | context) + floor)`` to row i's score of candidate v, with the
 context the committed tokens and the chain's own choices of rows < i (docs/decisions.md,
-"An n-gram memory in the final stage").
+"An n-gram memory in the final stage"). Built from a data directory and cached by
+:mod:`dspine.data.prior`.
 
 ``P`` is the count share of v among the continuations of the longest context (up to
 :data:`ORDER` tokens) that occurs in the memory, over its :data:`TOP` most frequent
@@ -22,21 +23,18 @@ is still the distribution it samples from.
 """
 from __future__ import annotations
 
-import gzip
-import hashlib
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from dspine.argtypes import MAX_NGRAM_PRIOR_WEIGHT as MAX_WEIGHT  # log P >= log 0.001 ~ -6.9: no need for more
 
 ORDER = 6  # longest context looked up (tokens)
 TOP = 2  # continuations kept per context
 PROMPT_TAIL = 8  # prompt tokens before each answer (the chat template's assistant header)
 _P = np.uint64(0x100000001B3)  # FNV-style multiplier
 _MASK = (1 << 64) - 1
-FORMAT = "dspine-ngram-prior-1"
 
 
 def _key(ctx: list[int] | tuple[int, ...]) -> int:
@@ -74,8 +72,8 @@ class NgramPrior:
 
     def __init__(self, keys, ids, counts, totals, weight: float = 0.5, floor: float = 1e-3, source: str = "",
                  first_row: int = 1):
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"ngram prior weight must be a finite number >= 0, got {weight!r}")
+        if not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
+            raise ValueError(f"ngram prior weight must be in 0..{MAX_WEIGHT:g}, got {weight!r}")
         if isinstance(first_row, bool) or not isinstance(first_row, int) or first_row < 1:
             raise ValueError(f"ngram prior first_row must be an integer >= 1, got {first_row!r}")
         self.first_row = first_row
@@ -91,7 +89,10 @@ class NgramPrior:
         last :data:`PROMPT_TAIL` tokens and the response before it."""
         parts = []
         for prompt, resp in rows:
-            parts.append(np.asarray(list(prompt[-PROMPT_TAIL:]) + list(resp) + [-1], dtype=np.int64))
+            ids = list(prompt[-PROMPT_TAIL:]) + list(resp)
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31 for t in ids):
+                raise ValueError("token ids must be integers in 0 .. 2**31 - 1")
+            parts.append(np.asarray(ids + [-1], dtype=np.int64))
         seq = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         keys, nxt = [], []
         for k in range(1, ORDER + 1):
@@ -124,43 +125,6 @@ class NgramPrior:
         counts[which[keep], rank[keep]] = pc[keep]
         totals = np.add.reduceat(pc, kstart).astype(np.int32)
         return cls(pk[kstart], ids, counts, totals, **kw)
-
-    @classmethod
-    def from_data(cls, data_dir: str | Path, cache_dir: str | Path | None = None, **kw) -> "NgramPrior":
-        """Built from a ``dspine data build`` directory (packed and plain shards), cached as
-        ``.npz`` in ``cache_dir`` keyed by the shards' sha256 (rebuilt when the data changes).
-
-        Raises:
-            ValueError: ``data_dir`` holds no data shards.
-        """
-        d = Path(data_dir)
-        shards = sorted(d.glob("data-*.jsonl.gz")) + sorted(d.glob("data-*.jsonl"))
-        if not shards:
-            raise ValueError(f"ngram prior: {d} holds no data shards (data-*.jsonl[.gz])")
-        h = hashlib.sha256(FORMAT.encode())
-        for s in shards:
-            h.update(s.name.encode())
-            h.update(hashlib.sha256(s.read_bytes()).digest())
-        tag = h.hexdigest()[:20]
-        f = Path(cache_dir) / f"ngram-prior-{tag}.npz" if cache_dir is not None else None
-        if f is not None and f.is_file():
-            z = np.load(f)
-            return cls(z["keys"], z["ids"], z["counts"], z["totals"], source=f"{d} ({tag})", **kw)
-
-        def rows():
-            for s in shards:
-                data = gzip.decompress(s.read_bytes()) if s.name.endswith(".gz") else s.read_bytes()
-                for line in data.splitlines():
-                    r = json.loads(line)
-                    yield r["prompt_ids"], r["response_ids"]
-
-        prior = cls.build(rows(), source=f"{d} ({tag})", **kw)
-        if f is not None:
-            f.parent.mkdir(parents=True, exist_ok=True)
-            tmp = f.with_suffix(".tmp.npz")
-            np.savez(tmp, keys=prior.keys, ids=prior.ids, counts=prior.counts, totals=prior.totals)
-            tmp.replace(f)
-        return prior
 
     # -- lookups -------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -198,49 +162,3 @@ class NgramPrior:
             ctx.append(ids[0])
         return out
 
-
-PRIOR_SETTINGS = ("off", "auto")  # or a data directory
-
-
-def committed_data_dir(target_name: str) -> Path | None:
-    """The repository's committed training data for ``target_name`` (``training-data/*/``
-    whose manifest names that target), or None (an installed package without the repository's
-    data, or another target)."""
-    root = Path(__file__).resolve().parents[3] / "training-data"
-    for man in sorted(root.glob("*/manifest.json")):
-        try:
-            if json.loads(man.read_text()).get("target") == target_name:
-                return man.parent
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def resolve_prior(setting: str, target_name: str, weight: float = 0.5) -> NgramPrior | None:
-    """``--ngram-prior``: ``off`` (None), ``auto`` (the committed training data of the
-    target, None where there is none) or a ``dspine data build`` directory of that target.
-    Built once per data and cached under ``$DSPINE_HOME/ngram-prior``.
-
-    Raises:
-        ValueError: naming ``--ngram-prior``: a directory without data shards or of another
-            target.
-    """
-    from dspine.target.assets import dspine_home
-
-    if setting == "off":
-        return None
-    d = committed_data_dir(target_name) if setting == "auto" else Path(setting)
-    if d is None:
-        return None
-    man = d / "manifest.json"
-    if setting != "auto":
-        if not man.is_file():
-            raise ValueError(f"--ngram-prior {setting}: not a `dspine data build` directory (no manifest.json); "
-                             f"accepted: off, auto or such a directory")
-        got = json.loads(man.read_text()).get("target")
-        if got != target_name:
-            raise ValueError(f"--ngram-prior {setting}: its rows are target {got!r}'s answers, not {target_name!r}'s")
-    try:
-        return NgramPrior.from_data(d, dspine_home() / "ngram-prior", weight=weight)
-    except ValueError as e:
-        raise ValueError(f"--ngram-prior {setting}: {e}") from None

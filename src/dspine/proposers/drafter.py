@@ -106,13 +106,15 @@ class DrafterProposer(Proposer):
         """The kernels this proposer runs (for ``--json`` stats): the candidate pass's
         kernel per row bucket, or ``exact-reference`` without a coarse pass."""
         fwd = "lean" if getattr(self.drafter, "_lean", None) is not None else "pytorch"
-        prior = None if self.prior is None else {"weight": self.prior.weight, "contexts": int(self.prior.keys.shape[0]),
-                                                 "bytes": self.prior.nbytes()}
+        # the prior only where one runs: without it the dict (and the cost-curve cache key) is as before
+        prior = {} if self.prior is None else {"ngram_prior": {
+            "weight": self.prior.weight, "contexts": int(self.prior.keys.shape[0]), "bytes": self.prior.nbytes(),
+            "source": self.prior.source, "scores": "chains (draft trees are built without it)"}}
         if self.qhead is None:
             return {"candidate_pass": "exact-reference", "drafter_linears": self.linears,
-                    "drafter_forward": fwd, "draft_vocab": self.cfg.vocab_size, "ngram_prior": prior}
+                    "drafter_forward": fwd, "draft_vocab": self.cfg.vocab_size, **prior}
         return {"candidate_pass": self.qhead.describe()["kernels"], "drafter_linears": self.linears,
-                "drafter_forward": fwd, "draft_vocab": self.draft_vocab or self.cfg.vocab_size, "ngram_prior": prior}
+                "drafter_forward": fwd, "draft_vocab": self.draft_vocab or self.cfg.vocab_size, **prior}
 
     def new_state(self, prompt_ids):
         return DraftContextCache(self.cfg.num_layers, self.cfg.window, project=self._project)

@@ -255,9 +255,20 @@ def cmd_acceptance(args) -> int:
 
     vocab = resolve(args.draft_vocab, None if args.drafter == "random" else args.drafter, model.cfg.vocab_size,
                     model.cfg.head_topk)
-    from dspine.drafter.ngram_prior import resolve_prior
+    from dspine.data.prior import resolve_prior
 
-    prior = resolve_prior(args.ngram_prior, target.name, args.ngram_prior_weight)
+    prior = resolve_prior(args.ngram_prior, target, args.ngram_prior_weight)
+    if args.ngram_prior != "off":  # said, not silently dropped or shown as used
+        why = ("no committed training data for the target" if prior is None else
+               "the DFlash-style drafter has no final stage to score" if not model.cfg.final_stage else
+               "--proposer ngram runs no drafter" if args.proposer == "ngram" else
+               "draft trees are built without it (--tree-budget 0 measures chains)" if spec.enabled else None)
+        if why:
+            print(f"dspine acceptance: note: --ngram-prior {args.ngram_prior} "
+                  f"{'is off' if prior is None or not model.cfg.final_stage or args.proposer == 'ngram' else 'unused'}: "
+                  f"{why}", file=sys.stderr, flush=True)
+        if not model.cfg.final_stage or args.proposer == "ngram":
+            prior = None
     apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True, proposer=args.proposer, tree=spec, copy_bonus=args.copy_bonus,
