@@ -14,6 +14,7 @@ import torch
 from dspine.config import ConfigError, SamplingConfig
 from dspine.drafter.candidate_pass import CandidatePass, forced_candidate_pass
 from dspine.drafter.final_stage import candidates, chain, fused_tables, parallel_argmax
+from dspine.drafter.ngram_prior import ORDER
 from dspine.drafter.model import BlockOutput, DSpineDrafter
 from dspine.drafter.q8 import forced_linears
 from dspine.runtime.lean_drafter import block_forward
@@ -77,8 +78,6 @@ class DrafterProposer(Proposer):
     def observe(self, state: DraftContextCache, tokens: list[int], start_pos: int) -> None:
         """Keep the last committed token ids (the n-gram prior's context)."""
         if self.prior is not None and state is not None:
-            from dspine.drafter.ngram_prior import ORDER
-
             state.tail = (state.tail + [int(t) for t in tokens])[-ORDER:]
 
     def _prior_parts(self, state: DraftContextCache, anchor: int, n: int, copy):
@@ -87,7 +86,7 @@ class DrafterProposer(Proposer):
         chain's earlier choices; (copy, None) without a prior."""
         if self.prior is None:
             return copy, None
-        ctx = state.tail[-5:] + [int(anchor)]  # ORDER - 1 committed tokens and the anchor
+        ctx = state.tail[-(ORDER - 1):] + [int(anchor)]  # the anchor completes the longest context
         if not copy:
             copy = self.prior.chain(ctx, n) or None
         prior = self.prior
