@@ -16,12 +16,14 @@ Variants (``--variants``, each ``name:key=value,...``):
     data=F      build the prior from the first F (0..1] of the prior rows
     weight=W    ``--ngram-prior-weight``
     weight1=W   another weight on row 1 (``weight`` on the later rows)
-    beta=B      Dirichlet backoff smoothing (0: the shipped longest-match counts):
-                P_k(v) = (c_k(v) + B * P_{k-1}(v)) / (total_k + B) over the matched orders
+    beta=B      Dirichlet backoff smoothing (NgramPrior.lookup; 0: the longest match alone;
+                default: the library's BETA)
+    top=T       continuations kept per context (default: the library's TOP)
+    prune=M     contexts of 2+ tokens seen fewer than M times dropped (1: none)
     off=1       no prior (the drafter alone)
 
-    python benchmarks/ngram_prior_variants.py --n 40 --tokens 128 \\
-        --variants off:off=1 base: beta1:beta=1 half:data=0.5
+    python benchmarks/ngram_prior_variants.py --n 30 --tokens 96 \\
+        --variants off:off=1 longest:beta=0,top=2 shipped: top2:top=2 half:data=0.5
 """
 from __future__ import annotations
 
@@ -35,55 +37,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ngram_prior_tuning import DATA, rows  # noqa: E402
+from ngram_prior_tuning import DATA, group, rows  # noqa: E402
 
-from dspine.drafter.ngram_prior import ORDER, NgramPrior, _key  # noqa: E402
-
-
-class SmoothedPrior(NgramPrior):
-    """Dirichlet backoff over every matched order (PPM-style interpolation):
-    ``P_k(v) = (c_k(v) + beta * P_{k-1}(v)) / (total_k + beta)``, ``P_0 = 0``; the orders
-    above the longest match do not exist. ``beta`` 0 is the shipped longest-match rule."""
-
-    def __init__(self, *a, beta: float = 1.0, **kw):
-        super().__init__(*a, **kw)
-        self.beta = float(beta)
-
-    def lookup(self, ctx):
-        if self.beta == 0:
-            return super().lookup(ctx)
-        p: dict[int, float] = {}
-        for k in range(1, min(ORDER, len(ctx)) + 1):
-            key = np.uint64(_key(ctx[-k:]))
-            i = int(np.searchsorted(self.keys, key))
-            if not (i < self.keys.shape[0] and self.keys[i] == key):
-                break  # a longer context cannot match when a shorter one does not
-            tot = float(self.totals[i])
-            q = {t: self.beta * v / (tot + self.beta) for t, v in p.items()}
-            for t, c in zip(self.ids[i], self.counts[i]):
-                if t >= 0:
-                    q[int(t)] = q.get(int(t), 0.0) + c / (tot + self.beta)
-            p = q
-        best = sorted(p.items(), key=lambda kv: -kv[1])
-        return [t for t, _ in best], [v for _, v in best]
-
-
-def row1_weighted(prop, scale: float):
-    """The proposer's ``_prior_parts`` with row 1's prior scores scaled by ``scale``."""
-    parts = prop._prior_parts
-
-    def wrapped(state, anchor, n, copy):
-        copy, score = parts(state, anchor, n, copy)
-        if score is None:
-            return copy, score
-        return copy, lambda chosen, cand_i: score(chosen, cand_i) * (scale if not chosen else 1.0)
-    return wrapped
-
-
-def group(r: dict) -> str:
-    """The stdlib module (``module:offset`` ids) or ShareGPT conversation (``conv_turn``) of a row."""
-    i = str(r.get("id", ""))
-    return "m:" + i.split(":")[0] if r.get("kind") == "code" else "c:" + i.rsplit("_", 1)[0]
+from dspine.drafter.ngram_prior import BETA, TOP, NgramPrior  # noqa: E402
 
 
 def main() -> int:
@@ -143,16 +99,17 @@ def main() -> int:
         opt = dict(x.split("=") for x in kv.split(",") if x)
         prior = None
         if not opt.get("off"):
-            frac = float(opt.get("data", 1))
-            if frac not in built:
-                n = max(1, int(round(frac * len(prior_rows))))
-                built[frac] = NgramPrior.build((r["prompt_ids"], r["response_ids"]) for r in prior_rows[:n])
-            b = built[frac]
-            prior = SmoothedPrior(b.keys, b.ids, b.counts, b.totals, weight=float(opt.get("weight", 0.5)),
-                                  beta=float(opt.get("beta", 0)))
+            how = (float(opt.get("data", 1)), int(opt.get("top", TOP)), int(opt.get("prune", 1)))
+            if how not in built:
+                n = max(1, int(round(how[0] * len(prior_rows))))
+                built[how] = NgramPrior.build(((r["prompt_ids"], r["response_ids"]) for r in prior_rows[:n]),
+                                              top=how[1], min_total=how[2])
+            b = built[how]
+            w = float(opt.get("weight", 0.5))
+            prior = NgramPrior(b.keys, b.ids, b.counts, b.totals, weight=w,
+                               row1_weight=float(opt.get("weight1", w)), beta=float(opt.get("beta", BETA)))
+            print(f"{name}: {b.keys.shape[0]} contexts, {b.nbytes() / 2**20:.1f} MiB", file=sys.stderr, flush=True)
         prop = measured_proposer(d, linears="float32", vocab=vocab, progress=False, prior=prior)
-        if prior is not None and "weight1" in opt:  # another weight on row 1 only
-            prop._prior_parts = row1_weighted(prop, float(opt["weight1"]) / prior.weight)
         t1 = time.time()
         out = {}
         for k, seqs in ev.items():

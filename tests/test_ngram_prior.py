@@ -18,7 +18,7 @@ import torch
 
 from dspine.core.engine import Engine
 from dspine.data.prior import prior_from_data, resolve_prior
-from dspine.drafter.ngram_prior import NgramPrior, _key, _keys
+from dspine.drafter.ngram_prior import NgramPrior, _key, _keys, compact_counts
 from dspine.proposers import make_proposer
 from dspine.proposers.drafter import DrafterProposer
 from test_fused_copies import (M, PROMPT, _drafter, equal_ar_single_and_batched, exact, q_along,  # noqa: F401
@@ -33,7 +33,7 @@ def test_counts_longest_context_and_hashes():
     h, i = _keys(seq, 2)
     assert [int(x) for x in h] == [_key(tuple(int(t) for t in seq[j - 2:j])) for j in i]
     assert 5 not in i.tolist()  # no context spans the separator
-    p = NgramPrior.build([([1, 2], [5, 6, 7, 5, 6, 9, 5, 6, 7])])
+    p = NgramPrior.build([([1, 2], [5, 6, 7, 5, 6, 9, 5, 6, 7])], beta=0)
     ids, ps = p.lookup([5, 6])
     assert ids == [7, 9] and ps == pytest.approx([2 / 3, 1 / 3])
     assert p.lookup([9, 5, 6]) == ([7], [1.0])  # the longer context decides
@@ -45,19 +45,44 @@ def test_counts_longest_context_and_hashes():
     assert s.tolist() == pytest.approx([w * np.log(2 / 3 + f), w * np.log(1 / 3 + f), w * np.log(f)], rel=1e-6)
     with pytest.raises(ValueError, match="weight"):
         NgramPrior.build([([1], [2, 3])], weight=-1.0)
-    with pytest.raises(ValueError, match="first_row"):
-        NgramPrior.build([([1], [2, 3])], first_row=0)
+    for bad in ({"row1_weight": 101.0}, {"beta": -1.0}, {"beta": float("nan")}, {"row1_weight": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            NgramPrior.build([([1], [2, 3])], **bad)
 
 
-def test_rows_before_first_row_are_not_scored():
-    mem = NgramPrior.build([([1], [2, 3, 2, 3])], weight=1.0)
+def test_smoothing_backs_off_over_every_held_context():
+    rows = [([1, 2], [5, 6, 7, 5, 6, 9, 5, 6, 7]), ([0], [8, 6, 9])]
+    p = NgramPrior.build(rows, beta=1.0)
+    # P_1(. | 6) = (c + 0) / (4 + 1): 7 twice, 9 twice; P_2(. | 5 6) = (c + 1 * P_1) / (3 + 1)
+    p1 = {7: 2 / 5, 9: 2 / 5}
+    p2 = {7: (2 + p1[7]) / 4, 9: (1 + p1[9]) / 4}
+    ids, ps = p.lookup([5, 6])
+    assert ids == [7, 9] and ps == pytest.approx([p2[7], p2[9]])
+    # the longest context (9 5 6 -> 7, seen once) no longer claims certainty
+    ids, ps = p.lookup([9, 5, 6])
+    assert ids[0] == 7 and ps[0] == pytest.approx((1 + p2[7]) / 2) and ps[1] == pytest.approx(p2[9] / 2)
+    assert p.lookup([42]) == ([], []) and p.lookup([42, 6]) == p.lookup([6])  # 42 6 never held: (6) decides
+    assert NgramPrior.build(rows, beta=0).lookup([9, 5, 6]) == ([7], [1.0])  # beta 0: the longest context alone
+
+
+def test_counts_fit_16_bits_and_keep_their_shares():
+    counts, totals = compact_counts(np.array([[70000, 50000], [3, 1]]), np.array([140000, 4]))
+    assert counts.dtype == totals.dtype == np.uint16 and totals.tolist() == [65535, 4]
+    assert counts[0] / totals[0] == pytest.approx([0.5, 50000 / 140000], abs=1e-4) and counts[1].tolist() == [3, 1]
+    assert NgramPrior.build([([1], [2, 3, 2])]).ids.dtype == np.uint16
+    wide = NgramPrior.build([([1], [70000, 2, 70000, 3])], beta=0)  # a vocabulary beyond 16 bits
+    assert wide.ids.dtype == np.int32 and wide.lookup([70000]) == ([2, 3], [0.5, 0.5])
+
+
+def test_row_1_has_its_own_weight():
+    mem = NgramPrior.build([([1], [2, 3, 2, 3])], weight=1.0, row1_weight=0.0)
     prop = DrafterProposer.__new__(DrafterProposer)
     prop.prior = mem
 
     class State:
         tail = [1, 2]
-    for first, row1_scored in ((1, True), (2, False)):
-        mem.first_row = first
+    for row1, row1_scored in ((0.0, False), (1.0, True)):
+        mem.row1_weight = row1
         _copy, score = prop._prior_parts(State(), 3, 4, None)
         s1 = score([], torch.tensor([2, 5]))  # row 1 after ... 1 2 | 3: the memory says 2
         assert bool(s1.any()) is row1_scored
@@ -70,14 +95,14 @@ def test_from_data_caches_by_content_and_resolve_refuses_other_data(tmp_path, mo
     (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
     (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3, 2, 4]}) + "\n")
     cache = tmp_path / "cache"
-    a = prior_from_data(d, cache)
+    a = prior_from_data(d, cache, beta=0)
     assert a.lookup([2]) == ([3, 4], [0.5, 0.5]) and len(list(cache.glob("*.npz"))) == 1
-    assert prior_from_data(d, cache).lookup([2]) == a.lookup([2])  # read back
+    assert prior_from_data(d, cache, beta=0).lookup([2]) == a.lookup([2])  # read back
     (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 4]}) + "\n")
-    assert prior_from_data(d, cache).lookup([2]) == ([4], [1.0])  # other data: built again
+    assert prior_from_data(d, cache, beta=0).lookup([2]) == ([4], [1.0])  # other data: built again
     monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
     assert resolve_prior("off", "random:llama") is None
-    assert resolve_prior(str(d), "random:llama").lookup([2]) == ([4], [1.0])
+    assert resolve_prior(str(d), "random:llama").lookup([2]) == ([4], [0.5])  # seen once: (1 + 0) / (1 + beta)
     with pytest.raises(ValueError, match="--ngram-prior .*not of 'smollm2-135m'"):
         resolve_prior(str(d), "smollm2-135m")
     with pytest.raises(ValueError, match="--ngram-prior .*no manifest.json"):
@@ -112,7 +137,7 @@ def test_the_table_refuses_other_vocabularies_and_rebuilds_a_broken_cache(tmp_pa
     prior_from_data(d, tmp_path / "cache")
     (cached,) = (tmp_path / "cache").glob("*.npz")
     cached.write_bytes(b"not a zip file")  # a damaged cache file is built again, not an error
-    assert prior_from_data(d, tmp_path / "cache").lookup([2]) == ([3], [1.0])
+    assert prior_from_data(d, tmp_path / "cache", beta=0).lookup([2]) == ([3], [1.0])
     with pytest.raises(ValueError, match="weight"):
         NgramPrior.build([([1], [2, 3])], weight=1e38)  # float32 scores would overflow
 

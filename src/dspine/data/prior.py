@@ -18,9 +18,9 @@ import numpy as np
 
 from dspine.argtypes import MAX_NGRAM_PRIOR_WEIGHT as MAX_WEIGHT
 from dspine.data.store import _parse_row, _shard_bytes
-from dspine.drafter.ngram_prior import NgramPrior
+from dspine.drafter.ngram_prior import TOP, NgramPrior
 
-FORMAT = "dspine-ngram-prior-1"
+FORMAT = "dspine-ngram-prior-2"  # 2: uint16 counts and totals, uint16 ids where they fit
 
 
 def _check_vocab(ids: np.ndarray, vocab_size: int | None, d: Path) -> None:
@@ -45,7 +45,7 @@ def prior_from_data(data_dir: str | Path, cache_dir: str | Path | None = None, v
     shards = sorted(d.glob("data-*.jsonl.gz")) + sorted(d.glob("data-*.jsonl"))
     if not shards:
         raise ValueError(f"{d} holds no data shards (data-*.jsonl[.gz])")
-    h = hashlib.sha256(FORMAT.encode())
+    h = hashlib.sha256(f"{FORMAT} top={TOP}".encode())
     for sh in shards:
         h.update(sh.name.encode())
         h.update(hashlib.sha256(sh.read_bytes()).digest())

@@ -92,9 +92,7 @@ class DrafterProposer(Proposer):
         prior = self.prior
 
         def score(chosen: list[int], cand_i: torch.Tensor) -> torch.Tensor:
-            if len(chosen) + 1 < prior.first_row:  # row len(chosen) + 1 is not scored
-                return torch.zeros(cand_i.shape, dtype=torch.float32)
-            return prior.scores(ctx + chosen, cand_i)
+            return prior.scores(ctx + chosen, cand_i, row=len(chosen) + 1)
         return copy, score
 
     def state_nbytes(self, state) -> int:
