@@ -33,6 +33,14 @@ def rows(data: Path):
             yield json.loads(line)
 
 
+def emit(res: dict, out: str | None) -> int:
+    """Print ``res`` as one JSON line and write it to ``out`` (indented) when given; exit status 0."""
+    print(json.dumps(res))
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
 def group(r: dict) -> str:
     """The stdlib module (``module:offset`` ids) or ShareGPT conversation (``conv_turn``) of a row:
     later cuts of one module continue the same code, so a prior holding one of them would leak
@@ -108,10 +116,7 @@ def main() -> int:
             out[k] = round(emitted / max(cycles, 1), 4)
         res["tau"][f"weight={w},row1_weight={w if f is None else f}"] = out
         print(f"weight {w}, row 1 weight {w if f is None else f}: tau {out}", file=sys.stderr, flush=True)
-    print(json.dumps(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    return 0
+    return emit(res, args.out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Variants (``--variants``, each ``name:key=value,...``):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ngram_prior_tuning import DATA, group, rows  # noqa: E402
+from ngram_prior_tuning import DATA, emit, group, rows  # noqa: E402
 
 from dspine.drafter.ngram_prior import BETA, TOP, NgramPrior  # noqa: E402
 
@@ -138,10 +137,7 @@ def main() -> int:
             res["anchors"][k] = tot
         res["variants"][name] = {"settings": opt, **out}
         print(f"{name} {opt}: {out} ({time.time() - t1:.0f} s)", file=sys.stderr, flush=True)
-    print(json.dumps(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    return 0
+    return emit(res, args.out)
 
 
 if __name__ == "__main__":
