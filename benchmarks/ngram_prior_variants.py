@@ -1,9 +1,10 @@
 """Teacher-forced greedy chains of the DSpine drafter with variants of its n-gram prior.
 
-Every answer position of N code + N chat training-stream rows the prior never saw (rows after
-``--prior-rows`` of the committed data; the prior is built from the rows before them, less
-every row of an evaluated row's stdlib module or ShareGPT conversation; target-greedy answers, so the committed tokens at an
-anchor are exactly what greedy decoding would have committed) is an anchor: the drafter's
+Every answer position of N code + N chat training-stream rows the prior never saw is an
+anchor. The rows come after ``--prior-rows`` of the committed data; the prior is built from
+the rows before them, less every row of an evaluated row's stdlib module or ShareGPT
+conversation. They are target-greedy answers, so the committed tokens at an anchor are
+exactly what greedy decoding would have committed. At each anchor the drafter's
 context holds the target's features of every earlier position, the real proposer
 (:class:`dspine.proposers.drafter.DrafterProposer`: block forward, candidate pass, fused
 copy, conditional tables, serial chain) proposes a full block, and the leading rows that

@@ -13,8 +13,8 @@ context the committed tokens and the chain's own choices of rows < i (docs/decis
 
 ``P`` smooths the counts of every held context ending ``ctx`` (1..:data:`ORDER` tokens)
 into one distribution (Dirichlet backoff, :meth:`NgramPrior.lookup`; each context keeps its
-:data:`TOP` most frequent continuations, others count 0). Contexts are keyed by a 64-bit polynomial hash of their
-tokens, salted by their length (a collision merges two contexts' counts: it changes a
+:data:`TOP` most frequent continuations, others count 0). Contexts are keyed by a 64-bit
+polynomial hash of their tokens, salted by their length (a collision merges two contexts' counts: it changes a
 proposal, never the output, which the target verifies).
 
 Exactness: the prior is a function of the committed tokens and the chain's earlier choices,
@@ -80,12 +80,12 @@ class NgramPrior:
     """Counts of the target's continuations after 1..:data:`ORDER` tokens.
 
     Arrays (sorted by key): keys [U] uint64, ids [U, top] (uint16 where every id fits, else
-    int32), counts [U, top] uint16 (0 = no continuation in that slot), totals [U] uint16
-    (a context seen more than 65,535 times keeps its counts' proportions: :func:`compact_counts`). ``weight`` scales the log-probability added to the
-    final stage's logits of chain rows 2.., ``row1_weight`` (default: ``weight``) that of
-    row 1, where the drafter's own guess is strongest; ``floor`` is the probability of a
-    token the memory never saw after the context; ``beta`` smooths the counts
-    (:meth:`lookup`).
+    int32), counts [U, top] uint16 (0 = no continuation in that slot), totals [U] uint16 (a
+    context seen more than 65,535 times keeps its counts' proportions: :func:`compact_counts`).
+    ``weight`` scales the log-probability added to the final stage's logits of chain rows
+    2.., ``row1_weight`` (default: ``weight``) that of row 1, where the drafter's own guess is
+    strongest; ``floor`` is the probability of a token the memory never saw after the
+    context; ``beta`` smooths the counts (:meth:`lookup`).
 
     Raises:
         ValueError: a weight outside 0..100, a negative or non-finite ``beta``, a
@@ -95,7 +95,8 @@ class NgramPrior:
     def __init__(self, keys, ids, counts, totals, weight: float = WEIGHT, floor: float = 1e-3, source: str = "",
                  row1_weight: float | None = None, beta: float = BETA):
         for name, w in (("weight", weight), ("row1_weight", weight if row1_weight is None else row1_weight)):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and 0 <= w <= MAX_WEIGHT):
+            if (isinstance(w, bool) or not isinstance(w, (int, float))
+                    or not (math.isfinite(w) and 0 <= w <= MAX_WEIGHT)):
                 raise ValueError(f"ngram prior {name} must be in 0..{MAX_WEIGHT:g}, got {w!r}")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (math.isfinite(beta) and beta >= 0):
             raise ValueError(f"ngram prior beta must be a finite number >= 0, got {beta!r}")
