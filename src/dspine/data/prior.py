@@ -1,7 +1,7 @@
 """The DSpine final stage's n-gram prior (:mod:`dspine.drafter.ngram_prior`) built from a
 ``dspine data build`` directory: ``--ngram-prior off|auto|DIR``.
 
-The table is built once per data (10-15 s for the 12,896 committed rows on a 2-core CPU)
+The table is built once per data (10-15 s for 12,896 rows on a 2-core CPU)
 and cached as ``.npz`` under ``$DSPINE_HOME/ngram-prior``, keyed by the shards' sha256; a
 damaged cache file is built again.
 """
@@ -75,16 +75,12 @@ def prior_from_data(data_dir: str | Path, cache_dir: str | Path | None = None, v
         raise ValueError(f"{d} holds no answer tokens to count")
     _check_vocab(prior.ids, vocab_size, d)
     if f is not None:
-        import os
-        import tempfile
-
         f.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=f.parent, prefix=f.stem + ".", suffix=".npz")  # private per process
         with os.fdopen(fd, "wb") as out:
             np.savez(out, keys=prior.keys, ids=prior.ids, counts=prior.counts, totals=prior.totals)
         os.replace(tmp, f)
     return prior
-
 
 
 def committed_data_dir(target_name: str) -> Path | None:
