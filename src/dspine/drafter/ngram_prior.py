@@ -34,6 +34,7 @@ ORDER = 6  # longest context looked up (tokens)
 TOP = 4  # continuations kept per context (docs/decisions.md: 4 over 2 measured on tuning rows)
 WEIGHT = 0.5  # --ngram-prior-weight's default (docs/decisions.md, "An n-gram memory in the final stage")
 BETA = 1.0  # Dirichlet backoff smoothing of the counts (NgramPrior.lookup; docs/decisions.md)
+MEMO_SIZE = 4096  # lookups remembered per table (cleared when full)
 PROMPT_TAIL = 8  # prompt tokens before each answer (the chat template's assistant header)
 _P = np.uint64(0x100000001B3)  # FNV-style multiplier
 _MASK = (1 << 64) - 1
@@ -106,6 +107,8 @@ class NgramPrior:
         self.weight, self.floor, self.source = float(weight), float(floor), source
         self.row1_weight = self.weight if row1_weight is None else float(row1_weight)
         self.beta = float(beta)
+        # the last lookups: a chain's scores look up the contexts its fused copy (chain()) just did
+        self._memo: dict[tuple, tuple[list[int], list[float]]] = {}
 
     # -- building ------------------------------------------------------------------------
     @classmethod
@@ -197,6 +200,15 @@ class NgramPrior:
         with ``P_0 = 0``: a context seen once no longer claims certainty, and the shorter
         contexts' continuations keep some probability.
         """
+        key = (self.beta, tuple(ctx[-ORDER:]))  # only the last ORDER tokens are looked at
+        got = self._memo.get(key)
+        if got is None:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            got = self._memo[key] = self._lookup(ctx)
+        return list(got[0]), list(got[1])
+
+    def _lookup(self, ctx: list[int]) -> tuple[list[int], list[float]]:
         p: dict[int, float] = {}
         rows = self._matches(ctx)
         if self.beta == 0:
