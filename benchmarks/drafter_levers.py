@@ -8,7 +8,9 @@ trains with the project's own loss (:func:`dspine.train.losses.drafter_losses`: 
 weighted ``exp(-(k-1)/gamma)``, the final stage's K-way CE) and AdamW. The variants take
 turns, one step each, in one process, every variant's CPU time counted on its own: equal
 compute under the same machine load. Each ``--variants`` entry is ``NAME:KEY=VALUE,...``
-with keys ``gamma`` (row weights), ``anchors`` (blocks per sequence), ``lr``, and the
+with keys ``gamma`` (row weights), ``anchors`` (blocks per sequence), ``lr``, ``soft`` and
+``sw`` (soft labels: the target's top-``soft`` distribution mixed into each row's CE with
+weight ``sw``, as ``dspine train --soft-labels K --soft-weight W``; 0: hard labels only), and the
 capacity keys ``layers`` (drafter depth), ``ffn`` (SwiGLU width) and ``scratch`` (1: a
 fresh random drafter of that shape instead of the start checkpoint). A deeper or wider
 variant that is not ``scratch`` is *grown* from the start checkpoint function-preserving
@@ -40,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafter_diagnosis import drafter_rows, features, greedy_answers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"gamma": float, "anchors": int, "lr": float, "layers": int, "ffn": int, "scratch": int}
+KEYS = {"gamma": float, "anchors": int, "lr": float, "layers": int, "ffn": int, "scratch": int, "soft": int,
+        "sw": float}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -48,7 +51,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"--variants {spec!r}: give NAME:KEY=VALUE,...")
-    opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4, "layers": 0, "ffn": 0, "scratch": 0}
+    opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4, "layers": 0, "ffn": 0, "scratch": 0, "soft": 0, "sw": 0.5}
     for kv in filter(None, rest.split(",")):
         k, eq, v = kv.partition("=")
         if k not in KEYS or not eq:
@@ -60,9 +63,28 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if k == "scratch":
             if opts[k] not in (0, 1):
                 raise ValueError(f"--variants {spec!r}: scratch must be 0 or 1")
+        elif k == "soft":
+            if opts[k] < 0:
+                raise ValueError(f"--variants {spec!r}: soft must be >= 0 (0: hard labels only)")
+        elif k == "sw":
+            if not 0 <= opts[k] <= 1:
+                raise ValueError(f"--variants {spec!r}: sw must be in [0, 1]")
         elif not (opts[k] > 0 and math.isfinite(opts[k])):
             raise ValueError(f"--variants {spec!r}: {k} must be a positive finite number")
     return name, opts
+
+
+def topk_labels(target, seqs, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence the target's top-``k`` next-token (ids [T, k] int32, probs [T, k]
+    float16) at every position (:func:`dspine.train.losses.target_topk`)."""
+    from dspine.train.losses import target_topk
+
+    out = []
+    with torch.no_grad():
+        for ids, _ in seqs:
+            logits = target.model(input_ids=torch.tensor([ids])).logits[0]
+            out.append(target_topk(logits, k))
+    return out
 
 
 def grown(d0, layers: int, ffn: int, scratch: bool):
@@ -118,6 +140,8 @@ def main() -> int:
     ap.add_argument("--init", default=None, help="start checkpoint (default: the shipped DSpine drafter)")
     ap.add_argument("--variants", nargs="+", required=True, metavar="NAME:KEY=VALUE,...")
     ap.add_argument("--train-rows", type=int, default=600)
+    ap.add_argument("--train-from", type=int, default=0,
+                    help="first committed row trained on (rows after the shipped drafters' data are new to them)")
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--budget", type=float, default=600.0, help="CPU-seconds of training per variant")
@@ -162,12 +186,21 @@ def main() -> int:
     layers = list(d0.cfg.feature_layers)
     ev_f = {k: features(target, v, layers, False) for k, v in ev.items()}
     vocab = resolve("auto", str(init), d0.cfg.vocab_size, d0.cfg.head_topk)
-    data = load_dataset(ROOT / "training-data" / "smollm2-135m-regen", target)[: args.train_rows]
+    data = load_dataset(ROOT / "training-data" / "smollm2-135m-regen", target)
+    if not 0 <= args.train_from < len(data):
+        ap.error(f"--train-from {args.train_from}: the committed data has {len(data)} rows")
+    data = data[args.train_from: args.train_from + args.train_rows]
     tr = [fit_window(s.input_ids, s.response_start, args.max_len) for s in data]
     t0 = time.time()
     tr_f = features(target, tr, layers, False)
     per_row = (time.time() - t0) / max(1, len(tr)) * args.threads  # CPU-s of one sequence's feature forward
     say("train features", len(tr), "rows", round(time.time() - t0, 1), "s")
+    K = max(o["soft"] for _, o in variants)
+    tr_soft = None
+    if K:
+        t1 = time.time()
+        tr_soft = topk_labels(target, tr, K)  # a second forward here; training computes both in one
+        say("train top-k", K, round(time.time() - t1, 1), "s")
     res = {"machine": describe(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
            "init": str(init.relative_to(ROOT) if init.is_relative_to(ROOT) else init),
            "train_answer_tokens": sum(len(s) - r for s, r in tr), "feature_s": round(time.time() - t0, 1),
@@ -217,7 +250,16 @@ def main() -> int:
             lr = r["opts"]["lr"] * 0.5 * (1 + math.cos(math.pi * min(1.0, used / args.budget)))
             for g in r["opt"].param_groups:
                 g["lr"] = lr
-            out = drafter_losses(r["d"], feats, batch, anchors, r["opts"]["gamma"], vocab_subset=vocab)
+            soft, k = None, r["opts"]["soft"]
+            if k:
+                s_ids = torch.zeros(len(idx), T, k, dtype=torch.int32)
+                s_p = torch.zeros(len(idx), T, k, dtype=torch.float16)
+                for j, i in enumerate(idx):
+                    n = min(T, tr_soft[i][0].shape[0])
+                    s_ids[j, :n], s_p[j, :n] = tr_soft[i][0][:n, :k], tr_soft[i][1][:n, :k]
+                soft = (s_ids, s_p)
+            out = drafter_losses(r["d"], feats, batch, anchors, r["opts"]["gamma"], vocab_subset=vocab,
+                                 soft=soft, soft_weight=r["opts"]["sw"])
             r["opt"].zero_grad(set_to_none=True)
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(r["params"], 1.0)
