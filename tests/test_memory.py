@@ -98,6 +98,32 @@ def test_cli_memory_json_with_target(capsys):
     assert main(["memory", "--ngram-cache-tokens", "2"]) == 0
 
 
+def test_cli_memory_counts_the_ngram_prior(tmp_path, monkeypatch, capsys):
+    """``--ngram-prior DIR`` adds the table that generate/serve would load, at its measured size,
+    once per process; settings it cannot price are refused naming the setting."""
+    from dspine.cli.main import main
+    from dspine.data.prior import resolve_prior
+
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3, 2, 4, 5]}) + "\n")
+    base = ["memory", "--config", "small", "--target", "random:llama", "--concurrency", "2", "--json"]
+    assert main(base) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert main(base + ["--ngram-prior", str(d)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    prior = resolve_prior(str(d), "random:llama")
+    row = {r["key"]: r for r in rep["rows"]}["ngram_prior"]
+    assert row["bytes"] == prior.nbytes() > 0 and f"{prior.keys.shape[0]:,} contexts" in row["detail"]
+    assert rep["totals"]["dspine"] == without["totals"]["dspine"] + prior.nbytes()  # shared, not per request
+    assert main(["memory", "--config", "small", "--ngram-prior", str(d)]) == 2
+    assert "--ngram-prior" in (err := capsys.readouterr().err) and "needs --target" in err
+    assert main(["memory", "--config", "small", "--target", "random:llama", "--ngram-prior", str(tmp_path)]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("over", [dict(), dict(mode="dflash"), dict(row_embedding=False, num_layers=3),
                                   dict(mode="dflash", qk_norm=True, row_embedding=False),
                                   dict(profile="release", num_layers=1, ffn=64, target_hidden=64,

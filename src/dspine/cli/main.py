@@ -300,7 +300,7 @@ def _optional_parsers(sub) -> None:
 
     for mod, fn in (("dspine.data.cli", "add_data_parser"), ("dspine.train.cli", "add_train_parser"),
                     ("dspine.bench.cli", "add_bench_parser"), ("dspine.serve.cli", "add_serve_parser"),
-                    ("dspine.drafter.memory", "add_memory_parser"), ("dspine.tune.cli", "add_tune_parser"),
+                    ("dspine.cli.memory", "add_memory_parser"), ("dspine.tune.cli", "add_tune_parser"),
                     ("dspine.export.cli", "add_export_parser")):
         try:
             m = importlib.import_module(mod)

@@ -29,9 +29,6 @@ counted once, in the target weights.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -102,7 +99,8 @@ def ring_buffer_positions(context: int, window: int) -> int:
 def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, concurrency: int = 1,
              dtype: str = "bfloat16", target_dtype: str | None = None,
              profile: str = "", head_kernels: tuple[str, ...] = ("int8",), tree_budget: int = 0,
-             ngram_cache_tokens: int = 0, ngram_max: int = 4, draft_vocab: int = 0) -> MemoryReport:
+             ngram_cache_tokens: int = 0, ngram_max: int = 4, draft_vocab: int = 0,
+             ngram_prior: tuple[int, int] | None = None) -> MemoryReport:
     """Footprint of drafter ``cfg`` (+ ``target``) in ``dtype``.
 
     ``head_kernels``: the candidate-pass kernels a run keeps (:mod:`dspine.tune.head`;
@@ -119,6 +117,11 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
         dtype: drafter weights/activations/K-V dtype; ``target_dtype`` defaults to it.
         tree_budget: draft-tree nodes per cycle (:mod:`dspine.trees`); > 0 adds the
             per-request buffers of one tree verification (with a target).
+        ngram_prior: ``(bytes, contexts)`` of the n-gram prior's table
+            (:meth:`dspine.drafter.ngram_prior.NgramPrior.nbytes`, ``--ngram-prior``), shared by
+            all requests; None: no prior. Its size depends on the data it was built from, so
+            it is measured (``dspine memory --ngram-prior`` loads or builds it), not derived
+            from configurations.
     Raises:
         ValueError: unknown dtype, context or concurrency < 1, tree_budget < 0.
     """
@@ -206,6 +209,10 @@ def estimate(cfg: DSpineConfig, target=None, *, context: int | None = None, conc
                         bytes_bound(ngram_cache_tokens, ngram_max),
                         f"upper bound: 8 B per token + {ngram_max} index slots x ~{BYTES_PER_SLOT} B "
                         f"(Python objects; serve --ngram-cache-tokens)"))
+    if ngram_prior is not None:  # generate/serve --ngram-prior: one table per process
+        nb, n_ctx = ngram_prior
+        rows.append(Row("ngram_prior", "n-gram prior of the final stage's chain", int(nb),
+                        f"{n_ctx:,} contexts (--ngram-prior; built from the target's regenerated answers)"))
     if concurrency > 8:
         notes.append(f"concurrency {concurrency} is above the validated limit 8 (the runtime refuses it)")
     return MemoryReport(profile=profile or cfg.mode, dtype=dtype if isinstance(dtype, str) else str(dtype),
@@ -245,63 +252,3 @@ def tensor_bytes(tensors) -> int:
         seen.add(key)
         total += t.numel() * t.element_size()
     return total
-
-
-# -- CLI -----------------------------------------------------------------------------------------
-def cmd_memory(args) -> int:
-    if args.ngram_cache_tokens:  # the bounds serve enforces (dspine.proposers.check_copy_settings)
-        from dspine.proposers.cache import MIN_TOKENS
-
-        if args.ngram_cache_tokens < MIN_TOKENS:
-            raise ConfigError(f"--ngram-cache-tokens must be 0 (off) or >= {MIN_TOKENS}, got {args.ngram_cache_tokens}")
-        if args.ngram_max < 2:
-            raise ConfigError(f"--ngram-cache-tokens needs --ngram-max >= 2 (the cache proposes on matches of 2+ "
-                              f"tokens), got --ngram-max {args.ngram_max}")
-    spec = target_spec(args.target) if args.target else None
-    cfg = drafter_config(args.config, spec)
-    profile = args.config if args.config in ("release", "small") else Path(args.config).name
-    vocab = 0
-    if args.config not in ("release", "small") and Path(args.config).is_dir():  # a checkpoint's draft vocabulary
-        from dspine.drafter.vocab import load_draft_vocab
-
-        ids = load_draft_vocab(args.config, cfg.vocab_size, cfg.head_topk)
-        vocab = 0 if ids is None else int(ids.numel())
-    rep = estimate(cfg, spec, context=args.context, concurrency=args.concurrency, dtype=args.dtype,
-                   profile=profile, tree_budget=args.tree_budget, ngram_cache_tokens=args.ngram_cache_tokens,
-                   ngram_max=args.ngram_max, draft_vocab=vocab)
-    if args.json:
-        print(json.dumps(rep.to_dict(), indent=2))
-    else:
-        print(rep.render())
-    return 0
-
-
-def add_memory_parser(sub) -> None:
-    """Register ``dspine memory`` (called from :func:`dspine.cli.main._optional_parsers`)."""
-    p = sub.add_parser("memory", help="resident memory footprint of a drafter (+ target)",
-                       description="Resident footprint: drafter weights, draft context K/V (dense pool "
-                                   "vs bounded ring buffer), codebook, greedy tables, quantized head, "
-                                   "and target weights/KV/state when a target is named.")
-    p.add_argument("--config", default="release", help="release | small | drafter config path (default release)")
-    p.add_argument("--target", default=None, help="target name, HF dir, .gguf, or random:<arch>")
-    p.add_argument("--context", type=int, default=None,
-                   help="retained positions per request (default 131072, capped at the target's window)")
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
-    from dspine.argtypes import nonneg_int, positive_int, tree_budget
-
-    p.add_argument("--tree-budget", type=tree_budget, default=0,
-                   help="draft-tree nodes per cycle (generate --tree-budget): adds one tree verification's buffers")
-    p.add_argument("--ngram-cache-tokens", type=nonneg_int, default=0,
-                   help="serve --ngram-cache-tokens: adds the cross-request output cache's bound")
-    p.add_argument("--ngram-max", type=positive_int, default=4,
-                   help="serve --ngram-max (index slots per cached token)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_memory)
-
-
-if __name__ == "__main__":  # python -m dspine.drafter.memory ...
-    ap = argparse.ArgumentParser(prog="dspine-memory")
-    add_memory_parser(ap.add_subparsers(dest="command", required=True))
-    a = ap.parse_args(["memory"] + sys.argv[1:])
-    sys.exit(a.func(a))
