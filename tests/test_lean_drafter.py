@@ -114,3 +114,47 @@ def test_batched_proposals_on_the_lean_forward_keep_greedy_equal_to_ar(tiny256, 
     got = BatchEngine(Engine(tiny256, prop, "dspine"), 4).generate_many(prompts, max_new_tokens=lens)
     assert [g.token_ids for g in got] == want
     assert len(calls) > len(lens)  # the batched cycles ran the lean forward
+
+
+def test_lean_context_projection_and_tables_equal_the_pytorch_ones(tiny256):
+    """The context projection (W_fc, norm_ctx, each layer's k/v and rotary embedding) and the
+    final stage's conditional tables in the lean drafter compute what the PyTorch modules do
+    (float32, another order of the sums), for row 1 (the anchor in every slot) and later rows."""
+    _kernels_or_skip()
+    from dspine.drafter.final_stage import conditional_tables
+    import dspine.runtime.lean_drafter as LD
+
+    d = random_drafter(tiny256, mode="dspine", block_size=8, seed=2, msg_dim=32)
+    with torch.no_grad():
+        for w in d.write:
+            w.weight.mul_(30)
+    q = quantize_drafter(d)
+    assert q._lean.has_context
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(1, 5, len(q.cfg.feature_layers) * q.cfg.target_hidden, generator=g)
+    pos = torch.tensor([[3, 4, 9, 10, 11]])
+    with torch.no_grad():
+        want = q.context_kv(feats, pos)
+    got = q._lean.context_kv(feats, pos)
+    assert len(got) == len(want) == q.cfg.num_layers
+    for (kw, vw), (kg, vg) in zip(want, got):
+        assert kg.shape == kw.shape and vg.shape == vw.shape
+        assert torch.allclose(kg, kw, atol=1e-4, rtol=1e-4) and torch.allclose(vg, vw, atol=1e-4, rtol=1e-4)
+    kv, cpos, valid = _context(q, cap=24, anchor_pos=30)
+    with torch.no_grad():
+        out = q.forward_blocks(torch.tensor([[7]]), torch.tensor([[30]]), kv, cpos, valid, rows=5)
+    n, K = 4, 6
+    cand = torch.randint(q.cfg.vocab_size, (1, n, K), generator=g)
+    args = (out.h_pre[:, 0, :n + 1], out.r[:, 0, :n + 1], out.c[:, 0, :n + 1], torch.tensor([7]), cand)
+    got_t = conditional_tables(q, *args)  # the lean path
+    lean, q._lean = q._lean, None
+    try:
+        with torch.no_grad():
+            want_t = conditional_tables(q, *args)  # the PyTorch modules
+    finally:
+        q._lean = lean
+    assert got_t.shape == want_t.shape == (1, n, K, K)
+    assert torch.allclose(got_t, want_t, atol=1e-3, rtol=1e-4), (got_t - want_t).abs().max()
+    assert torch.equal(got_t[0, 0], got_t[0, 0, :1].expand(K, K))  # row 1: every slot holds the anchor
+    assert not torch.allclose(got_t[0, 1, 0], got_t[0, 1, 1])  # later rows depend on the predecessor
+    assert LD.lean_tables(q, args[0], cand.expand(2, n, K)) is None  # batched blocks keep the PyTorch path

@@ -23,6 +23,7 @@ import torch
 from dspine.config import SamplingConfig
 from dspine.drafter.model import DSpineDrafter
 from dspine.core.sampling import filter_probs, sample_index, uniform
+from dspine.runtime.lean_drafter import lean_tables
 
 
 class QuantizedHead:
@@ -104,6 +105,9 @@ def conditional_tables(drafter: DSpineDrafter, h_pre: torch.Tensor, r: torch.Ten
     candidate j of row i-1 (row 1: every j is the anchor x0, so all rows are equal).
     """
     b, Bm1, K = cand.shape
+    lean = lean_tables(drafter, h_pre, cand)
+    if lean is not None:  # one block on Q8_0 blocks: the same products in one C++ call
+        return lean.conditional_tables(h_pre, r, c, anchor, cand)
     L = drafter.cfg.num_layers - 1
     pred = torch.cat([anchor[:, None, None].expand(b, 1, K), cand[:, :-1]], dim=1)  # [b, B-1, K]
     e = drafter.alpha * drafter.codebook(pred).to(h_pre.dtype)  # [b, B-1, K, dc]

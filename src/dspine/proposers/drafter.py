@@ -17,6 +17,7 @@ from dspine.drafter.final_stage import candidates, chain, fused_tables, parallel
 from dspine.drafter.ngram_prior import ORDER
 from dspine.drafter.model import BlockOutput, DSpineDrafter
 from dspine.drafter.q8 import forced_linears
+from dspine.runtime.blockq import MAX_ROWS
 from dspine.runtime.lean_drafter import block_forward
 from dspine.core.sampling import filter_probs, sample_index, uniform
 from dspine.proposers.base import Proposal, Proposer
@@ -118,6 +119,13 @@ class DrafterProposer(Proposer):
 
     @torch.no_grad()
     def _project(self, features: torch.Tensor, pos: torch.Tensor):
+        """Draft context K/V of features [1, n, F*d] at pos [1, n]: the lean drafter's one C++
+        call where it runs and n is within the blockq row limit (as its linears would take it),
+        else :meth:`DSpineDrafter.context_kv`."""
+        lean = getattr(self.drafter, "_lean", None)
+        if (lean is not None and lean.has_context and features.shape[0] == 1
+                and features.shape[1] <= MAX_ROWS and features.dtype == torch.float32):
+            return lean.context_kv(features, pos)
         return self.drafter.context_kv(features, pos)
 
     def commit(self, state: DraftContextCache, features: torch.Tensor, start_pos: int) -> None:

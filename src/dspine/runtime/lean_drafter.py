@@ -72,6 +72,15 @@ class LeanDrafter:
             norms, blocks, drafter.mask_embed.detach().float().contiguous(), row,
             drafter.codebook.weight.detach().float().contiguous(), float(drafter.alpha.detach()), cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cfg.rope_theta, cfg.window)
+        # the context projection and the final stage's tables in the same object, where W_fc is
+        # on Q8_0 blocks and the head is a float32 CPU tensor (else the PyTorch ones run)
+        fc, head = drafter.fc, drafter._target_head
+        self.has_context = (isinstance(fc, BlockQLinear) and fc.kind == "q8" and fc.bias is None
+                            and isinstance(head, torch.Tensor) and head.dtype == torch.float32
+                            and head.device.type == "cpu" and head.is_contiguous())
+        if self.has_context:
+            self.impl.set_context(fc.b0, fc.b1, drafter.norm_ctx.weight.detach().float().contiguous(),
+                                  drafter.norm_f.weight.detach().float().contiguous(), head)
 
     def forward_blocks(self, anchors: torch.Tensor, anchor_pos: torch.Tensor,
                        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_pos: torch.Tensor,
@@ -94,6 +103,35 @@ class LeanDrafter:
                                            [k[0].contiguous() for k, _ in ctx_kv], [v[0].contiguous() for _, v in ctx_kv],
                                            ctx_pos[0].contiguous(), ctx_valid[0].contiguous())
         return BlockOutput(h=h[None, None], h_pre=h_pre[None, None], r=r[None, None], c=c[None, None])
+
+
+    def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As :meth:`DSpineDrafter.context_kv` for one request: feats [1, n, F*d] float32, pos
+        [1, n] int64 -> per layer (k, v) [1, kv, n, hd] (k with the rotary embedding applied).
+        Raises RuntimeError when :attr:`has_context` is False."""
+        if not self.has_context:
+            raise RuntimeError("the lean drafter has no context projection here (W_fc not on Q8_0 blocks)")
+        out = self.impl.project(feats[0].float().contiguous(), pos[0].contiguous())
+        return [(out[2 * l][None], out[2 * l + 1][None]) for l in range(len(out) // 2)]
+
+    def conditional_tables(self, h_pre: torch.Tensor, r: torch.Tensor, c: torch.Tensor, anchor: torch.Tensor,
+                           cand: torch.Tensor) -> torch.Tensor:
+        """As :func:`dspine.drafter.final_stage.conditional_tables` for one block (b = 1):
+        h_pre [1, n+1, d], r [1, n+1, 1], c [1, n+1, dc] float32, anchor [1], cand [1, n, K]
+        int64 -> T [1, n, K, K] float32."""
+        if not self.has_context:
+            raise RuntimeError("the lean drafter has no final-stage tables here (W_fc not on Q8_0 blocks)")
+        return self.impl.tables(h_pre[0], r[0], c[0], int(anchor[0]), cand[0].contiguous())[None]
+
+
+def lean_tables(drafter, h_pre: torch.Tensor, cand: torch.Tensor):
+    """The drafter's :class:`LeanDrafter` when it can compute the final stage's tables of
+    ``cand`` [b, n, K] (one block, float32, n >= 1), else None."""
+    lean = getattr(drafter, "_lean", None)
+    if lean is None or not lean.has_context or cand.shape[0] != 1 or cand.shape[1] < 1 \
+            or h_pre.dtype != torch.float32:
+        return None
+    return lean
 
 
 def block_forward(drafter):

@@ -785,6 +785,136 @@ struct LeanDrafter {
     }
     return {h, hpre, rr, c};
   }
+
+  // The context projection and the final stage's tables (set_context first): the weights of
+  // W_fc (Q8_0 blocks), norm_ctx, norm_f (float32 [D]) and the target's head (float32 [V, D],
+  // held, not copied).
+  Lin fc;
+  torch::Tensor norm_ctx, norm_f, head;
+  bool has_context = false;
+
+  void set_context(torch::Tensor fc_q, torch::Tensor fc_d, torch::Tensor norm_ctx_, torch::Tensor norm_f_,
+                   torch::Tensor head_) {
+    fc = make_lin(fc_q, fc_d, torch::Tensor());
+    TORCH_CHECK(!fc.q4 && fc.N == D, "blockq lean drafter: W_fc must be Q8_0 blocks with D outputs");
+    TORCH_CHECK(norm_ctx_.numel() == D && norm_f_.numel() == D && norm_ctx_.scalar_type() == torch::kFloat32 &&
+                    norm_f_.scalar_type() == torch::kFloat32, "blockq lean drafter: norms must be float32 [D]");
+    TORCH_CHECK(head_.dim() == 2 && head_.size(1) == D && head_.scalar_type() == torch::kFloat32 && head_.is_contiguous(),
+                "blockq lean drafter: the head must be a contiguous float32 [V, D] tensor");
+    norm_ctx = norm_ctx_.contiguous();
+    norm_f = norm_f_.contiguous();
+    head = head_;
+    has_context = true;
+  }
+
+  // DSpineDrafter.context_kv of one request: feats [n, FD] float32, pos [n] int64 ->
+  // {k_0, v_0, k_1, v_1, ...} each [KV, n, hd] (k with the rotary embedding of pos).
+  std::vector<torch::Tensor> project(torch::Tensor feats, torch::Tensor pos) {
+    TORCH_CHECK(has_context, "blockq lean drafter: set_context first");
+    TORCH_CHECK(feats.dim() == 2 && feats.size(1) == fc.K && feats.scalar_type() == torch::kFloat32,
+                "blockq lean drafter: feats must be float32 [n, F*D]");
+    const int64_t n = feats.size(0);
+    TORCH_CHECK(n >= 1 && pos.numel() == n && pos.scalar_type() == torch::kInt64,
+                "blockq lean drafter: pos must be int64 [n]");
+    auto x = feats.contiguous();
+    auto opt = x.options();
+    auto f = torch::empty({n, D}, opt), fn = torch::empty({n, D}, opt);
+    lin_apply(fc, x.data_ptr<float>(), n, f.data_ptr<float>());
+    rms_norm(f.data_ptr<float>(), norm_ctx.data_ptr<float>(), n, D, eps, fn.data_ptr<float>());
+    const int64_t half = hd / 2;
+    const int64_t* pp = pos.contiguous().data_ptr<int64_t>();
+    std::vector<float> cs(n * half), sn(n * half);
+    for (int64_t j = 0; j < half; ++j) {
+      const float inv = 1.0f / std::pow(theta, float(2 * j) / float(hd));
+      for (int64_t i = 0; i < n; ++i) {
+        const float ang = float(pp[i]) * inv;
+        cs[i * half + j] = std::cos(ang);
+        sn[i * half + j] = std::sin(ang);
+      }
+    }
+    std::vector<torch::Tensor> out;
+    for (int64_t l = 0; l < L; ++l) {
+      const Lin* w = &lins[l * 9];
+      auto k = torch::empty({n, KV * hd}, opt), v = torch::empty({n, KV * hd}, opt);  // fresh: the outputs may view them
+      float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+      lin_apply(w[1], fn.data_ptr<float>(), n, kp);
+      lin_apply(w[2], fn.data_ptr<float>(), n, vp);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t hh = 0; hh < KV; ++hh) {
+          float* t = kp + (i * KV + hh) * hd;
+          for (int64_t j = 0; j < half; ++j) {
+            const float a = t[j], b = t[j + half], co = cs[i * half + j], si = sn[i * half + j];
+            t[j] = a * co - b * si;
+            t[j + half] = a * si + b * co;
+          }
+        }
+      out.push_back(k.view({n, KV, hd}).transpose(0, 1).contiguous());
+      out.push_back(v.view({n, KV, hd}).transpose(0, 1).contiguous());
+    }
+    return out;
+  }
+
+  // final_stage.conditional_tables of one block: h_pre [R, D], r [R, 1], c [R, DC] of the last
+  // layer (R >= n + 1), anchor id, cand [n, K] int64 candidate ids of rows 1..n. Returns
+  // T [n, K, K] float32: T[i-1, j, u] = row i's score of candidate u given predecessor slot j
+  // (row 1: the anchor in every slot).
+  torch::Tensor tables(torch::Tensor h_pre, torch::Tensor r, torch::Tensor c, int64_t anchor, torch::Tensor cand) {
+    TORCH_CHECK(has_context, "blockq lean drafter: set_context first");
+    TORCH_CHECK(cand.dim() == 2 && cand.scalar_type() == torch::kInt64, "blockq lean drafter: cand must be int64 [n, K]");
+    const int64_t n = cand.size(0), K = cand.size(1), V = head.size(0);
+    TORCH_CHECK(n >= 1 && K >= 1 && h_pre.dim() == 2 && h_pre.size(0) > n && h_pre.size(1) == D && r.numel() >= n + 1 &&
+                    c.dim() == 2 && c.size(0) > n && c.size(1) == DC && h_pre.scalar_type() == torch::kFloat32 &&
+                    r.scalar_type() == torch::kFloat32 && c.scalar_type() == torch::kFloat32,
+                "blockq lean drafter: tables need float32 h_pre [>n, D], r [>n, 1], c [>n, DC]");
+    TORCH_CHECK(anchor >= 0 && anchor < codebook.size(0), "blockq lean drafter: anchor id out of range");
+    auto hp = h_pre.contiguous(), rp = r.contiguous(), cc = c.contiguous(), cd = cand.contiguous();
+    const int64_t* ci = cd.data_ptr<int64_t>();
+    for (int64_t e = 0; e < n * K; ++e)
+      TORCH_CHECK(ci[e] >= 0 && ci[e] < V && ci[e] < codebook.size(0), "blockq lean drafter: candidate id out of range");
+    auto opt = hp.options();
+    const int64_t M = n * K;  // one row per (row i, predecessor slot j)
+    auto e = torch::empty({M, DC}, opt), gm = torch::empty({M, DM}, opt), pm = torch::empty({M, DM}, opt),
+         vm = torch::empty({M, DM}, opt), gr = torch::empty({n, DM}, opt), w = torch::empty({M, D}, opt),
+         T = torch::empty({n, K, K}, opt);
+    float *ep = e.data_ptr<float>(), *gmp = gm.data_ptr<float>(), *pmp = pm.data_ptr<float>(),
+          *vmp = vm.data_ptr<float>(), *grp = gr.data_ptr<float>(), *wp = w.data_ptr<float>(), *tp = T.data_ptr<float>();
+    const float *cb = codebook.data_ptr<float>(), *hpp = hp.data_ptr<float>(), *rr = rp.data_ptr<float>(),
+                *cp = cc.data_ptr<float>(), *hd_ = head.data_ptr<float>(), *nf = norm_f.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t pred = i == 0 ? anchor : ci[(i - 1) * K + j];
+        for (int64_t t = 0; t < DC; ++t) ep[(i * K + j) * DC + t] = alpha * cb[pred * DC + t];
+      }
+    // c rows 1..n through G_r; the codes through G_p and V_p; the last layer's write
+    const Lin& wr = lins[(L - 1) * 9 + 8];
+    std::vector<float> c1(cp + DC, cp + (n + 1) * DC);
+    lin_apply(g_r, c1.data(), n, grp);
+    lin_apply(g_p, ep, M, pmp);
+    lin_apply(v_p, ep, M, vmp);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < K; ++j)
+        for (int64_t t = 0; t < DM; ++t) {
+          const int64_t m = (i * K + j) * DM + t;
+          gmp[m] = vmp[m] / (1.0f + std::exp(-(grp[i * DM + t] + pmp[m])));
+        }
+    lin_apply(wr, gmp, M, wp);
+    std::vector<float> hu(D);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        const float* hrow = hpp + (i + 1) * D;
+        const float ri = rr[i + 1];
+        const float* wrow = wp + (i * K + j) * D;
+        float ss = 0.0f;
+        for (int64_t t = 0; t < D; ++t) {
+          hu[t] = hrow[t] + ri * wrow[t];
+          ss += hu[t] * hu[t];
+        }
+        const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
+        for (int64_t t = 0; t < D; ++t) hu[t] = nf[t] * (hu[t] * inv);
+        for (int64_t u = 0; u < K; ++u) tp[(i * K + j) * K + u] = dot(hu.data(), hd_ + ci[i * K + u] * D, D);
+      }
+    return T;
+  }
 };
 
 std::string isa() {
@@ -818,5 +948,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<LeanDrafter>(mod, "LeanDrafter")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor,
                           torch::Tensor, double, int64_t, int64_t, int64_t, double, double, int64_t>())
-      .def("forward", &LeanDrafter::forward);
+      .def("forward", &LeanDrafter::forward)
+      .def("set_context", &LeanDrafter::set_context)
+      .def("project", &LeanDrafter::project)
+      .def("tables", &LeanDrafter::tables);
 }
