@@ -517,3 +517,129 @@ def test_hybrid_tree_sampling_matches_target(tiny_dense, monkeypatch):
         counts[tuple(ids[:3])] += 1
     assert chi2_pvalue(counts, P) > ALPHA
     assert seen["grafted"] > N_ENGINE // 5, seen  # (its acceptance is tested with the verifier above)
+
+
+# -- the n-gram prior scored along each node's path ------------------------------------------------------
+
+def _path_prior(scale: float = 4.0):
+    """A prior that depends on the path: it favours the candidate equal to (last path token + 1) % 50
+    (the root: favours 7), so a node's children differ with its path."""
+    calls = []
+
+    def prior(path: list[int], cand_d: torch.Tensor) -> torch.Tensor:
+        calls.append(list(path))
+        want = 7 if not path else (path[-1] + 1) % 50
+        return (cand_d == want).float() * scale - 1.0
+    return prior, calls
+
+
+def test_trees_with_a_prior_score_each_row_along_its_path():
+    T, cand = _tables(n=4, K=5, seed=3, scale=1.0)
+    cand[0, 3], cand[1, 2], cand[2, 4] = 7, 8, 9  # the prior's favourites along one path
+    prior, calls = _path_prior()
+    sampling = SamplingConfig(temperature=1.0)
+    # widths all 1 with a prior reproduce the chain with the same prior: tokens, q, draws
+    for s in range(4):
+        g1, g2 = make_generator(s), make_generator(s)
+        ch = chain(T, cand, 4, sampling, g1, prior=lambda chosen, c: prior(chosen, c))
+        tr = static_tree(T, cand, 4, (1, 1, 1, 1), 10, sampling, g2, prior=prior)
+        assert torch.equal(tr.tokens, ch.tokens) and torch.allclose(tr.q_probs, ch.q_probs)
+    gd = dynamic_tree(T, cand, 3, 6, prior=prior)
+    assert gd.tokens[:3].tolist() == [7, 8, 9]  # the strong prior leads the best-first path
+    assert [] in calls and [7, 8] in calls  # rows scored given the root and a depth-2 path
+    plain = dynamic_tree(T, cand, 3, 6)
+    assert not torch.equal(plain.tokens, gd.tokens)  # the prior changed the tree
+    assert torch.equal(dynamic_tree(T, cand, 3, 6, prior=lambda p, c: torch.zeros(c.shape[0])).tokens,
+                       plain.tokens)  # a zero prior is no prior
+
+
+class _CountingTreePrior(DrafterProposer):
+    changed = 0
+
+    def propose_tree(self, state, anchor, anchor_pos, depth, spec, sampling, gen, trim=None):
+        p = super().propose_tree(state, anchor, anchor_pos, depth, spec, sampling, gen, trim=trim)
+        prior, self.prior = self.prior, None
+        try:
+            plain = super().propose_tree(state, anchor, anchor_pos, depth, spec, sampling, gen, trim=trim)
+        finally:
+            self.prior = prior
+        _CountingTreePrior.changed += int(p is not None and not torch.equal(plain.tokens, p.tokens))
+        return p
+
+
+def test_tree_with_prior_greedy_equals_ar_real_target(smol_dense):
+    from dspine.data.load import load_dataset
+    from dspine.data.prior import committed_data_dir
+    from dspine.drafter.ngram_prior import NgramPrior
+
+    d = committed_data_dir("smollm2-135m")
+    if d is None:
+        pytest.skip("the repository's committed training data is not here")
+    rows = load_dataset(d, smol_dense)[:1500]
+    prior = NgramPrior.build((s.input_ids[:s.response_start], s.input_ids[s.response_start:]) for s in rows)
+    drafter = load_drafter(default_drafter_path("smollm2-135m", "dspine"), smol_dense).float()
+    ids = smol_dense.encode_prompt("Write a Python function that reverses a string.", chat=True)
+    ref = Engine(smol_dense, None, "ar").generate(ids, SamplingConfig(), 40).token_ids
+    _CountingTreePrior.changed = 0
+    res = Engine(smol_dense, _CountingTreePrior(drafter, prior=prior), "dspine", tree=TreeSpec(16)).generate(
+        ids, SamplingConfig(), 40)
+    assert res.token_ids == ref
+    assert _CountingTreePrior.changed > 0  # the prior really changed the trees
+
+
+def _tiny_prior(V: int = 8):
+    import random as _random
+
+    from dspine.drafter.ngram_prior import NgramPrior
+
+    rng = _random.Random(0)  # contexts that match often and favour tokens the drafter does not
+    rows = [(PROMPT[:1], [rng.choice([1, 2, 3, 3, 5, 6, 6, 6]) % V for _ in range(40)]) for _ in range(30)]
+    return NgramPrior.build(rows, weight=2.0)
+
+
+class _ForgetsPriorInTrees(DrafterProposer):
+    """BROKEN: draws the tree's children with the prior but reports the q of the rows without it."""
+
+    def propose_tree(self, state, anchor, anchor_pos, depth, spec, sampling, gen, trim=None):
+        prop = super().propose_tree(state, anchor, anchor_pos, depth, spec, sampling, gen, trim=trim)
+        if prop is None or prop.tree.q_probs is None:
+            return prop
+        t = prop.tree
+        cand, T = self._last
+        qs = []
+        for i in range(t.tokens.shape[0]):
+            d, par = int(t.depth[i]) - 1, int(t.parent[i])
+            j = 0 if par < 0 else int((cand[d - 1] == t.tokens[par]).nonzero()[0, 0])
+            q = filter_probs(T[d, j].float(), sampling)
+            sib = [c for c in t.children(par) if c < i]  # drawn before: removed, renormalized
+            for c in sib:
+                q = q.clone()
+                q[int((cand[d] == t.tokens[c]).nonzero()[0, 0])] = 0.0
+            qs.append(q / q.sum() if sib else q)
+        t.q_probs = torch.stack(qs)
+        prop.q_probs = t.q_probs
+        return prop
+
+    def _tables(self, out, a, n, copy=None, bonus=0.0):
+        self._last = tuple(x.cpu() for x in super()._tables(out, a, n, copy, bonus))
+        return self._last
+
+
+def _prior_tree_engine(tiny_dense, cls=DrafterProposer):
+    prop = strong_bridge_drafter(tiny_dense, seed=3)
+    return Engine(tiny_dense, cls(prop.drafter, prior=_tiny_prior(), head_kernel="exact"), "dspine",
+                  tree=TREE_SHAPE)
+
+
+def test_tree_sampling_with_prior_matches_target(tiny_dense):
+    P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
+    counts = sample_counts(_prior_tree_engine(tiny_dense), SETTINGS["t1.0"], N_ENGINE, tiny_dense.vocab_size)
+    assert chi2_pvalue(counts, P) > ALPHA
+
+
+def test_tree_sampling_with_prior_wrong_q_fails(tiny_dense):
+    """Negative control: children drawn with the prior but verified with the q of the unscored rows."""
+    P = exact_distribution(tiny_dense, PROMPT, SETTINGS["t1.0"])
+    counts = sample_counts(_prior_tree_engine(tiny_dense, _ForgetsPriorInTrees), SETTINGS["t1.0"], N_ENGINE,
+                           tiny_dense.vocab_size)
+    assert chi2_pvalue(counts, P) < ALPHA

@@ -190,12 +190,6 @@ def proposer_notes(args) -> list[str]:
                      + ("--mode ar drafts nothing" if args.mode == "ar" else "--proposer ngram runs no drafter"))
     elif prior == "off" and prior_set:
         notes.append("--ngram-prior-weight ignored: --ngram-prior is off")
-    elif prior != "off" and args.mode == "dspine":
-        budget = getattr(args, "tree_budget", None)
-        budget = getattr(args, "tree_budget_default", 0) if budget is None else budget
-        if budget:
-            notes.append(f"--ngram-prior scores chains only: cycles that verify a draft tree (--tree-budget "
-                         f"{budget}) are built without it (--tree-budget 0: chains every cycle)")
     if args.mode == "ar":
         if prop != DEFAULT_PROPOSER or ngram_set:
             notes.append("--proposer / --ngram-max / --ngram-min ignored: --mode ar proposes nothing")

@@ -107,7 +107,7 @@ class DrafterProposer(Proposer):
         # the prior only where one runs: without it the dict (and the cost-curve cache key) is as before
         prior = {} if self.prior is None else {"ngram_prior": {
             "weight": self.prior.weight, "contexts": int(self.prior.keys.shape[0]), "bytes": self.prior.nbytes(),
-            "source": self.prior.source, "scores": "chains (draft trees are built without it)"}}
+            "source": self.prior.source, "scores": "chains and draft trees"}}
         if self.qhead is None:
             return {"candidate_pass": "exact-reference", "drafter_linears": self.linears,
                     "drafter_forward": fwd, "draft_vocab": self.cfg.vocab_size, **prior}
@@ -231,15 +231,16 @@ class DrafterProposer(Proposer):
         rows = depth + 1 if self.cfg.block_causal else None
         out = block_forward(d)(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
         t1 = time.perf_counter()
-        cand, T = self._tables(out, a, depth)
+        copy, prior = self._prior_parts(state, anchor, depth, None)  # (None, None) without a prior
+        cand, T = self._tables(out, a, depth, copy)
         cand, T = cand.cpu(), T.cpu()
         if sampling.greedy and spec.shape is None:
-            tree = dynamic_tree(T, cand, depth, spec.budget)
+            tree = dynamic_tree(T, cand, depth, spec.budget, prior=prior)
             if trim is not None:
                 tree = trim(tree, time.perf_counter() - t0)
         else:
             shape = spec.shape if spec.shape is not None else spec.sampled_shape
-            tree = static_tree(T, cand, depth, shape, spec.budget, sampling, gen)
+            tree = static_tree(T, cand, depth, shape, spec.budget, sampling, gen, prior=prior)
         prop = Proposal(tree.tokens, tree.q_ids, tree.q_probs, draft_s=t1 - t0, final_s=time.perf_counter() - t1)
         prop.tree = tree
         return prop

@@ -261,11 +261,10 @@ def cmd_acceptance(args) -> int:
     if args.ngram_prior != "off":  # said, not silently dropped or shown as used
         why = ("no committed training data for the target" if prior is None else
                "the DFlash-style drafter has no final stage to score" if not model.cfg.final_stage else
-               "--proposer ngram runs no drafter" if args.proposer == "ngram" else
-               "draft trees are built without it (--tree-budget 0 measures chains)" if spec.enabled else None)
+               "--proposer ngram runs no drafter" if args.proposer == "ngram" else None)
         if why:
             print(f"dspine acceptance: note: --ngram-prior {args.ngram_prior} "
-                  f"{'is off' if prior is None or not model.cfg.final_stage or args.proposer == 'ngram' else 'unused'}: "
+                  f"is off: "
                   f"{why}", file=sys.stderr, flush=True)
         if not model.cfg.final_stage or args.proposer == "ngram":
             prior = None

@@ -15,6 +15,12 @@ scored by ``T[d, j]``.
 - :func:`dynamic_tree` (greedy only): best-first by path probability, the product of
   ``softmax(T[d, j])`` along the path, until ``budget`` nodes (EAGLE-2's expansion,
   Li et al. 2024, over dspine's conditional tables instead of a re-run drafter).
+
+Both take an optional ``prior``, as :func:`dspine.drafter.final_stage.chain` does:
+``prior(path: list[int], cand_d [K]) -> [K] float32`` added to a node's row of scores
+given the tokens on the path from the root to it (the n-gram prior,
+:class:`dspine.drafter.ngram_prior.NgramPrior`). A sampled child's q is then the filtered
+softmax of the scored row, which is what it was drawn from, so verification stays exact.
 """
 from __future__ import annotations
 
@@ -43,26 +49,28 @@ def _check(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -> None
 
 
 def static_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, widths: tuple[int, ...], budget: int,
-                sampling: SamplingConfig, gen: torch.Generator | None) -> DraftTree:
+                sampling: SamplingConfig, gen: torch.Generator | None, prior=None) -> DraftTree:
     """Breadth-first tree of the given widths, at most ``depth`` deep and ``budget`` nodes.
 
     Greedy (``sampling.greedy``): children are the row's top candidates, best first.
     Sampled: children drawn without replacement from the filtered row (one uniform of
     ``gen`` per child, in node order); a row with fewer nonzero entries than the width
     gives fewer children. Widths all 1 reproduce :func:`dspine.drafter.final_stage.chain`'s
-    tokens, q and random draws exactly.
+    tokens, q and random draws exactly (with the same ``prior`` too).
     """
     _check(T, cand, depth, budget)
     widths = _check_widths(widths)
     toks, par, dep, qids, qps = [], [], [], [], []
-    queue = deque([(-1, 0, 0)])  # (node, its depth, its candidate index; the root: depth 0, j 0)
+    queue = deque([(-1, 0, 0, [])])  # (node, its depth, its candidate index, its path; the root: 0, 0, [])
     T = T.float()
     while queue and len(toks) < budget:
-        node, d, j = queue.popleft()
+        node, d, j, path = queue.popleft()
         if d >= depth:
             continue
         w = widths[d] if d < len(widths) else 1
         row = T[d, j]  # [K]
+        if prior is not None:
+            row = row + prior(path, cand[d])
         if sampling.greedy:
             picks = torch.topk(row, min(w, row.shape[0])).indices.tolist()
             qs = [None] * len(picks)
@@ -89,24 +97,31 @@ def static_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, widths: tuple[i
             if qk is not None:
                 qids.append(cand[d])
                 qps.append(qk)
-            queue.append((idx, d + 1, pick))
+            queue.append((idx, d + 1, pick, path + [toks[-1]]))
     return _tree(toks, par, dep, qids, qps)
 
 
-def dynamic_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -> DraftTree:
+def dynamic_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int, prior=None) -> DraftTree:
     """Greedy best-first tree: the ``budget`` nodes of highest path probability (product of
-    ``softmax(T[d, j])`` along the path), at most ``depth`` deep. Parents precede
-    children (a child's path probability never exceeds its parent's)."""
+    ``softmax(T[d, j])`` along the path, each row with ``prior``'s scores of the path added
+    when given), at most ``depth`` deep. Parents precede children (a child's path
+    probability never exceeds its parent's)."""
     _check(T, cand, depth, budget)
     logp = torch.log_softmax(T.double(), dim=-1)  # [n, K, K]
     heap: list = []
     tie = 0
+    paths: list[list[int]] = []  # the tokens from the root to each node (with a prior only)
 
     def push(parent: int, d: int, j: int, score: float) -> None:
         nonlocal tie
         if d >= depth:
             return
-        for v, lp in enumerate(logp[d, j].tolist()):
+        if prior is None:
+            row = logp[d, j]
+        else:
+            path = paths[parent] if parent >= 0 else []
+            row = torch.log_softmax(T[d, j].double() + prior(path, cand[d]).double(), dim=-1)
+        for v, lp in enumerate(row.tolist()):
             heapq.heappush(heap, (-(score + lp), tie, parent, d, v))
             tie += 1
 
@@ -119,6 +134,8 @@ def dynamic_tree(T: torch.Tensor, cand: torch.Tensor, depth: int, budget: int) -
         par.append(parent)
         dep.append(d + 1)
         logs.append(-neg)
+        if prior is not None:
+            paths.append((paths[parent] if parent >= 0 else []) + [toks[-1]])
         push(idx, d + 1, v, -neg)
     return _tree(toks, par, dep, [], [], path_prob=torch.tensor(logs, dtype=torch.float64).exp())
 
