@@ -158,3 +158,14 @@ def test_lean_context_projection_and_tables_equal_the_pytorch_ones(tiny256):
     assert torch.equal(got_t[0, 0], got_t[0, 0, :1].expand(K, K))  # row 1: every slot holds the anchor
     assert not torch.allclose(got_t[0, 1, 0], got_t[0, 1, 1])  # later rows depend on the predecessor
     assert LD.lean_tables(q, args[0], cand.expand(2, n, K)) is None  # batched blocks keep the PyTorch path
+    assert LD.lean_tables(q, args[0], cand.int()) is None  # int32 ids: the PyTorch path, which takes them
+    assert torch.allclose(conditional_tables(q, *args[:4], cand.int()), want_t, atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="one request"):
+        q._lean.context_kv(feats.expand(2, -1, -1), pos.expand(2, -1))
+    with pytest.raises(RuntimeError, match="int64"):  # the C++ checks what it reads
+        q._lean.impl.tables(args[0][0], args[1][0], args[2][0], 7, cand[0].int())
+    with pytest.raises(RuntimeError, match="out of range"):
+        q._lean.impl.tables(args[0][0], args[1][0], args[2][0], 7, torch.full((n, K), q.cfg.vocab_size))
+    strided = torch.arange(3, 13)[::2]  # a non-contiguous pos: the same K as its contiguous copy
+    a_, b_ = q._lean.impl.project(feats[0], strided), q._lean.impl.project(feats[0], strided.contiguous())
+    assert all(torch.equal(x, y) for x, y in zip(a_, b_))

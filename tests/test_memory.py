@@ -104,17 +104,20 @@ def test_cli_memory_counts_the_ngram_prior(tmp_path, monkeypatch, capsys):
     from dspine.cli.main import main
     from dspine.data.prior import resolve_prior
 
+    from dspine.data.tokenizer import tokenizer_fingerprint
+
     monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
     d = tmp_path / "data"
-    d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
+    d.mkdir()  # a manifest as `dspine data build` writes it: the target and its tokenizer
+    tok = tokenizer_fingerprint(load_target("random:llama").tokenizer)
+    (d / "manifest.json").write_text(json.dumps({"target": "random:llama", "tokenizer": tok}))
     (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3, 2, 4, 5]}) + "\n")
     base = ["memory", "--config", "small", "--target", "random:llama", "--concurrency", "2", "--json"]
     assert main(base) == 0
     without = json.loads(capsys.readouterr().out)
     assert main(base + ["--ngram-prior", str(d)]) == 0
     rep = json.loads(capsys.readouterr().out)
-    prior = resolve_prior(str(d), "random:llama")
+    prior = resolve_prior(str(d), load_target("random:llama"))
     row = {r["key"]: r for r in rep["rows"]}["ngram_prior"]
     assert row["bytes"] == prior.nbytes() > 0 and f"{prior.keys.shape[0]:,} contexts" in row["detail"]
     assert rep["totals"]["dspine"] == without["totals"]["dspine"] + prior.nbytes()  # shared, not per request
@@ -122,6 +125,15 @@ def test_cli_memory_counts_the_ngram_prior(tmp_path, monkeypatch, capsys):
     assert "--ngram-prior" in (err := capsys.readouterr().err) and "needs --target" in err
     assert main(["memory", "--config", "small", "--target", "random:llama", "--ngram-prior", str(tmp_path)]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+    # data generate would refuse (an id outside the target's vocabulary) is refused here too
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 99999]}) + "\n")
+    assert main(base + ["--ngram-prior", str(d)]) == 2
+    assert "--ngram-prior" in capsys.readouterr().err
+    # where generate runs without a prior (no committed data for auto), a note and no row
+    assert main(base + ["--ngram-prior", "auto"]) == 0
+    out = capsys.readouterr()
+    assert "is off" in out.err and "ngram_prior" not in {r["key"] for r in json.loads(out.out)["rows"]}
+    assert main(["memory", "--concurrency", "0"]) == 2 and "--concurrency" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("over", [dict(), dict(mode="dflash"), dict(row_embedding=False, num_layers=3),

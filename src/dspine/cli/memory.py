@@ -6,7 +6,6 @@ itself stays in :mod:`dspine.drafter.memory`, computed from configurations.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,25 +15,32 @@ from dspine.drafter.memory import drafter_config, estimate
 from dspine.drafter.target_spec import target_spec
 
 
-def _prior_size(setting: str, target: str | None, cfg) -> tuple[int, int]:
-    """(bytes, contexts) of the ``--ngram-prior`` table for ``target`` (a name or path, as
-    ``generate --target``). Raises ConfigError naming ``--ngram-prior``: no ``--target``, a
-    DFlash-style config (no serial chain to score), no committed data for ``auto``, or what
-    :func:`dspine.data.prior.resolve_prior` refuses."""
+def _prior_size(setting: str, target: str | None, cfg) -> tuple[int, int] | None:
+    """(bytes, contexts) of the ``--ngram-prior`` table ``generate --target TARGET`` would
+    load, or None where generate runs without one (and says why, as it does: a DFlash-style
+    drafter, no committed data for ``auto``). The target is loaded so that the data is
+    checked as generate checks it (target name or path, tokenizer, token ids).
+
+    Raises:
+        ConfigError: naming ``--ngram-prior``: no ``--target``, or data generate refuses.
+    """
     from dspine.data.prior import resolve_prior
+    from dspine.target.adapter import load_target
 
     if not target:
         raise ConfigError(f"--ngram-prior {setting} needs --target (the prior holds one target's answers)")
-    if getattr(cfg, "mode", "dspine") != "dspine":
-        raise ConfigError(f"--ngram-prior {setting}: only DSpine drafters score a serial chain "
-                          f"(this config is {cfg.mode!r}); leave it off")
+    if not cfg.final_stage:
+        print(f"dspine memory: note: --ngram-prior {setting} is off: the DFlash-style drafter has no final stage "
+              f"to score", file=sys.stderr, flush=True)
+        return None
     try:
-        prior = resolve_prior(setting, target)
+        prior = resolve_prior(setting, load_target(target, dtype="float32"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if prior is None:
-        raise ConfigError(f"--ngram-prior {setting}: no committed training data for target {target!r} "
-                          f"(give a `dspine data build` directory)")
+        print(f"dspine memory: note: --ngram-prior {setting} is off: no committed training data for target "
+              f"{target!r} (give a `dspine data build` directory)", file=sys.stderr, flush=True)
+        return None
     return prior.nbytes(), int(prior.keys.shape[0])
 
 
@@ -77,11 +83,12 @@ def add_memory_parser(sub) -> None:
                                    "and target weights/KV/state when a target is named.")
     p.add_argument("--config", default="release", help="release | small | drafter config path (default release)")
     p.add_argument("--target", default=None, help="target name, HF dir, .gguf, or random:<arch>")
-    p.add_argument("--context", type=int, default=None,
-                   help="retained positions per request (default 131072, capped at the target's window)")
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
     from dspine.argtypes import ngram_prior_setting, nonneg_int, positive_int, tree_budget
+
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="retained positions per request (default 131072, capped at the target's window)")
+    p.add_argument("--concurrency", type=positive_int, default=1)
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
 
     p.add_argument("--tree-budget", type=tree_budget, default=0,
                    help="draft-tree nodes per cycle (generate --tree-budget): adds one tree verification's buffers")
@@ -96,8 +103,7 @@ def add_memory_parser(sub) -> None:
     p.set_defaults(func=cmd_memory)
 
 
-if __name__ == "__main__":  # python -m dspine.cli.memory ...
-    ap = argparse.ArgumentParser(prog="dspine-memory")
-    add_memory_parser(ap.add_subparsers(dest="command", required=True))
-    a = ap.parse_args(["memory"] + sys.argv[1:])
-    sys.exit(a.func(a))
+if __name__ == "__main__":  # python -m dspine.cli.memory ...: the same command and errors as `dspine memory`
+    from dspine.cli.main import main
+
+    sys.exit(main(["memory", *sys.argv[1:]]))

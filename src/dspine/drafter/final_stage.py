@@ -105,7 +105,7 @@ def conditional_tables(drafter: DSpineDrafter, h_pre: torch.Tensor, r: torch.Ten
     candidate j of row i-1 (row 1: every j is the anchor x0, so all rows are equal).
     """
     b, Bm1, K = cand.shape
-    lean = lean_tables(drafter, h_pre, cand)
+    lean = lean_tables(drafter, h_pre, cand, r, c)
     if lean is not None:  # one block on Q8_0 blocks: the same products in one C++ call
         return lean.conditional_tables(h_pre, r, c, anchor, cand)
     L = drafter.cfg.num_layers - 1

@@ -78,6 +78,7 @@ class LeanDrafter:
         self.has_context = (isinstance(fc, BlockQLinear) and fc.kind == "q8" and fc.bias is None
                             and isinstance(head, torch.Tensor) and head.dtype == torch.float32
                             and head.device.type == "cpu" and head.is_contiguous())
+        self._head = head  # the head the tables were built with (lean_tables checks it is still bound)
         if self.has_context:
             self.impl.set_context(fc.b0, fc.b1, drafter.norm_ctx.weight.detach().float().contiguous(),
                                   drafter.norm_f.weight.detach().float().contiguous(), head)
@@ -108,9 +109,12 @@ class LeanDrafter:
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`DSpineDrafter.context_kv` for one request: feats [1, n, F*d] float32, pos
         [1, n] int64 -> per layer (k, v) [1, kv, n, hd] (k with the rotary embedding applied).
-        Raises RuntimeError when :attr:`has_context` is False."""
+        Raises RuntimeError when :attr:`has_context` is False, ValueError for a batch other than 1."""
         if not self.has_context:
             raise RuntimeError("the lean drafter has no context projection here (W_fc not on Q8_0 blocks)")
+        if feats.dim() != 3 or feats.shape[0] != 1 or pos.shape[0] != 1:
+            raise ValueError(f"the lean context projection takes one request: feats [1, n, F*d], pos [1, n]; "
+                             f"got {tuple(feats.shape)} and {tuple(pos.shape)}")
         out = self.impl.project(feats[0].float().contiguous(), pos[0].contiguous())
         return [(out[2 * l][None], out[2 * l + 1][None]) for l in range(len(out) // 2)]
 
@@ -118,18 +122,25 @@ class LeanDrafter:
                            cand: torch.Tensor) -> torch.Tensor:
         """As :func:`dspine.drafter.final_stage.conditional_tables` for one block (b = 1):
         h_pre [1, n+1, d], r [1, n+1, 1], c [1, n+1, dc] float32, anchor [1], cand [1, n, K]
-        int64 -> T [1, n, K, K] float32."""
+        int64 -> T [1, n, K, K] float32. Raises RuntimeError when :attr:`has_context` is False,
+        ValueError for a batch other than 1."""
         if not self.has_context:
             raise RuntimeError("the lean drafter has no final-stage tables here (W_fc not on Q8_0 blocks)")
+        if any(t.shape[0] != 1 for t in (h_pre, r, c, anchor, cand)):
+            raise ValueError("the lean final-stage tables take one block: h_pre, r, c, anchor and cand of batch 1")
         return self.impl.tables(h_pre[0], r[0], c[0], int(anchor[0]), cand[0].contiguous())[None]
 
 
-def lean_tables(drafter, h_pre: torch.Tensor, cand: torch.Tensor):
+def lean_tables(drafter, h_pre: torch.Tensor, cand: torch.Tensor, *others: torch.Tensor):
     """The drafter's :class:`LeanDrafter` when it can compute the final stage's tables of
-    ``cand`` [b, n, K] (one block, float32, n >= 1), else None."""
+    ``cand`` [b, n, K] (one block, float32 CPU states, int64 ids, n >= 1, the head it was
+    built with still bound; ``others``, e.g. r and c, float32 too), else None (the PyTorch
+    path runs)."""
     lean = getattr(drafter, "_lean", None)
-    if lean is None or not lean.has_context or cand.shape[0] != 1 or cand.shape[1] < 1 \
-            or h_pre.dtype != torch.float32:
+    if lean is None or not lean.has_context or cand.shape[0] != 1 or cand.shape[1] < 1 or h_pre.shape[0] != 1 \
+            or h_pre.dtype != torch.float32 or cand.dtype != torch.int64 or h_pre.device.type != "cpu" \
+            or any(t.dtype != torch.float32 for t in others) \
+            or lean._head is not drafter._target_head:  # rebound to another target: the PyTorch path
         return None
     return lean
 

@@ -679,7 +679,8 @@ struct LeanDrafter {
           *up = u.data_ptr<float>(), *cp = c.data_ptr<float>(), *rp = rr.data_ptr<float>(), *gmp = gm.data_ptr<float>(),
           *pmp = pm.data_ptr<float>(), *vmp = vm.data_ptr<float>(), *wp = wm.data_ptr<float>();
     // block input: row 0 the anchor's embedding, rows 1.. the mask embedding; plus the row embedding
-    const float *e = e0.contiguous().data_ptr<float>(), *me = mask_embed.data_ptr<float>();
+    auto ec = e0.contiguous();  // kept alive while e is read
+    const float *e = ec.data_ptr<float>(), *me = mask_embed.data_ptr<float>();
     for (int64_t i = 0; i < R; ++i)
       for (int64_t j = 0; j < D; ++j) {
         float x = i == 0 ? e[j] : me[j];
@@ -811,18 +812,20 @@ struct LeanDrafter {
   // {k_0, v_0, k_1, v_1, ...} each [KV, n, hd] (k with the rotary embedding of pos).
   std::vector<torch::Tensor> project(torch::Tensor feats, torch::Tensor pos) {
     TORCH_CHECK(has_context, "blockq lean drafter: set_context first");
+    TORCH_CHECK(feats.device().is_cpu() && pos.device().is_cpu(), "blockq lean drafter: CPU tensors only");
     TORCH_CHECK(feats.dim() == 2 && feats.size(1) == fc.K && feats.scalar_type() == torch::kFloat32,
                 "blockq lean drafter: feats must be float32 [n, F*D]");
     const int64_t n = feats.size(0);
-    TORCH_CHECK(n >= 1 && pos.numel() == n && pos.scalar_type() == torch::kInt64,
-                "blockq lean drafter: pos must be int64 [n]");
+    TORCH_CHECK(n >= 1, "blockq lean drafter: feats holds no positions");
+    TORCH_CHECK(pos.numel() == n && pos.scalar_type() == torch::kInt64, "blockq lean drafter: pos must be int64 [n]");
     auto x = feats.contiguous();
+    auto pc = pos.contiguous();  // kept alive while pp is read
     auto opt = x.options();
     auto f = torch::empty({n, D}, opt), fn = torch::empty({n, D}, opt);
     lin_apply(fc, x.data_ptr<float>(), n, f.data_ptr<float>());
     rms_norm(f.data_ptr<float>(), norm_ctx.data_ptr<float>(), n, D, eps, fn.data_ptr<float>());
     const int64_t half = hd / 2;
-    const int64_t* pp = pos.contiguous().data_ptr<int64_t>();
+    const int64_t* pp = pc.data_ptr<int64_t>();
     std::vector<float> cs(n * half), sn(n * half);
     for (int64_t j = 0; j < half; ++j) {
       const float inv = 1.0f / std::pow(theta, float(2 * j) / float(hd));
@@ -862,7 +865,10 @@ struct LeanDrafter {
     TORCH_CHECK(has_context, "blockq lean drafter: set_context first");
     TORCH_CHECK(cand.dim() == 2 && cand.scalar_type() == torch::kInt64, "blockq lean drafter: cand must be int64 [n, K]");
     const int64_t n = cand.size(0), K = cand.size(1), V = head.size(0);
-    TORCH_CHECK(n >= 1 && K >= 1 && h_pre.dim() == 2 && h_pre.size(0) > n && h_pre.size(1) == D && r.numel() >= n + 1 &&
+    TORCH_CHECK(h_pre.device().is_cpu() && r.device().is_cpu() && c.device().is_cpu() && cand.device().is_cpu(),
+                "blockq lean drafter: CPU tensors only");
+    TORCH_CHECK(n >= 1 && K >= 1 && h_pre.dim() == 2 && h_pre.size(0) > n && h_pre.size(1) == D && r.dim() == 2 &&
+                    r.size(0) > n && r.size(1) == 1 &&
                     c.dim() == 2 && c.size(0) > n && c.size(1) == DC && h_pre.scalar_type() == torch::kFloat32 &&
                     r.scalar_type() == torch::kFloat32 && c.scalar_type() == torch::kFloat32,
                 "blockq lean drafter: tables need float32 h_pre [>n, D], r [>n, 1], c [>n, DC]");
