@@ -617,6 +617,38 @@ struct LeanLlama {
 // The same arithmetic as dspine.model.DSpineDrafter.forward_blocks in float32, in another
 // order, without Python between the operations. The drafter only proposes: its numerics
 // never change the output.
+// The drafter's rotary embedding (half-split rotation, spec section 3): cos and sin of row i at
+// position pos(i), [n, hd/2] each, stored as cos rows then sin rows in one buffer [2, n, hd/2].
+template <typename Pos>
+std::vector<float> rotary_cos_sin(int64_t n, int64_t hd, float theta, const Pos& pos) {
+  const int64_t half = hd / 2;
+  std::vector<float> t(2 * n * half);
+  for (int64_t j = 0; j < half; ++j) {
+    const float inv = 1.0f / std::pow(theta, float(2 * j) / float(hd));
+    for (int64_t i = 0; i < n; ++i) {
+      const float ang = float(pos(i)) * inv;
+      t[i * half + j] = std::cos(ang);
+      t[(n + i) * half + j] = std::sin(ang);
+    }
+  }
+  return t;
+}
+
+// x [n, heads, hd] rotated in place with the tables of rotary_cos_sin
+inline void rotate_half_split(float* x, int64_t n, int64_t heads, int64_t hd, const float* cs) {
+  const int64_t half = hd / 2;
+  const float* sn = cs + n * half;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      float* t = x + (i * heads + hh) * hd;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = t[j], b = t[j + half], co = cs[i * half + j], si = sn[i * half + j];
+        t[j] = a * co - b * si;
+        t[j + half] = a * si + b * co;
+      }
+    }
+}
+
 struct LeanDrafter {
   std::vector<torch::Tensor> norms;  // per layer: attn_norm, mlp_norm weights [D] float32
   std::vector<Lin> lins;             // per layer: q, k, v, o, gate, up, down, read, write
@@ -688,27 +720,8 @@ struct LeanDrafter {
         hp[i * D + j] = x;
       }
     // rotary tables of the rows' positions apos .. apos + R - 1 (spec: half-split rotation)
-    const int64_t half = hd / 2;
-    std::vector<float> cs(R * half), sn(R * half);
-    for (int64_t j = 0; j < half; ++j) {
-      const float inv = 1.0f / std::pow(theta, float(2 * j) / float(hd));
-      for (int64_t i = 0; i < R; ++i) {
-        const float ang = float(apos + i) * inv;
-        cs[i * half + j] = std::cos(ang);
-        sn[i * half + j] = std::sin(ang);
-      }
-    }
-    auto rot = [&](float* x, int64_t heads) {
-      for (int64_t i = 0; i < R; ++i)
-        for (int64_t hh = 0; hh < heads; ++hh) {
-          float* t = x + (i * heads + hh) * hd;
-          for (int64_t j = 0; j < half; ++j) {
-            const float a = t[j], b = t[j + half], co = cs[i * half + j], si = sn[i * half + j];
-            t[j] = a * co - b * si;
-            t[j + half] = a * si + b * co;
-          }
-        }
-    };
+    const std::vector<float> cs = rotary_cos_sin(R, hd, theta, [&](int64_t i) { return apos + i; });
+    auto rot = [&](float* x, int64_t heads) { rotate_half_split(x, R, heads, hd, cs.data()); };
     // context slots this block may read (valid, before the anchor, inside the window)
     const int64_t* pp = cpos.data_ptr<int64_t>();
     const bool* vv = cvalid.data_ptr<bool>();
@@ -824,17 +837,8 @@ struct LeanDrafter {
     auto f = torch::empty({n, D}, opt), fn = torch::empty({n, D}, opt);
     lin_apply(fc, x.data_ptr<float>(), n, f.data_ptr<float>());
     rms_norm(f.data_ptr<float>(), norm_ctx.data_ptr<float>(), n, D, eps, fn.data_ptr<float>());
-    const int64_t half = hd / 2;
     const int64_t* pp = pc.data_ptr<int64_t>();
-    std::vector<float> cs(n * half), sn(n * half);
-    for (int64_t j = 0; j < half; ++j) {
-      const float inv = 1.0f / std::pow(theta, float(2 * j) / float(hd));
-      for (int64_t i = 0; i < n; ++i) {
-        const float ang = float(pp[i]) * inv;
-        cs[i * half + j] = std::cos(ang);
-        sn[i * half + j] = std::sin(ang);
-      }
-    }
+    const std::vector<float> cs = rotary_cos_sin(n, hd, theta, [&](int64_t i) { return pp[i]; });
     std::vector<torch::Tensor> out;
     for (int64_t l = 0; l < L; ++l) {
       const Lin* w = &lins[l * 9];
@@ -842,15 +846,7 @@ struct LeanDrafter {
       float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
       lin_apply(w[1], fn.data_ptr<float>(), n, kp);
       lin_apply(w[2], fn.data_ptr<float>(), n, vp);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t hh = 0; hh < KV; ++hh) {
-          float* t = kp + (i * KV + hh) * hd;
-          for (int64_t j = 0; j < half; ++j) {
-            const float a = t[j], b = t[j + half], co = cs[i * half + j], si = sn[i * half + j];
-            t[j] = a * co - b * si;
-            t[j + half] = a * si + b * co;
-          }
-        }
+      rotate_half_split(kp, n, KV, hd, cs.data());
       out.push_back(k.view({n, KV, hd}).transpose(0, 1).contiguous());
       out.push_back(v.view({n, KV, hd}).transpose(0, 1).contiguous());
     }
