@@ -6,7 +6,11 @@ With the drafter's linears on Q8_0 blocks (``--drafter-linears q8``,
 around ~150 small operations (norms, rotary embedding, attention over the draft context,
 the MLP, the bridge's codes and messages). :class:`LeanDrafter` runs the whole block forward
 of one request (``LeanDrafter`` in ``kernels/blockq.cpp``): the same weights, the same
-float32 arithmetic in another order. The drafter only proposes, so this never changes the
+float32 arithmetic in another order. The same object computes the projection of newly
+committed target features into the draft context (:meth:`LeanDrafter.context_kv`) and the
+final stage's conditional tables of one block (:meth:`LeanDrafter.conditional_tables`,
+:func:`lean_tables`), which were ~25 more small operations per drafting cycle (a proposal of
+1-4 tokens 14-26% cheaper on a 2-core AMX Xeon, docs/decisions.md, 2026-12-07). The drafter only proposes, so this never changes the
 output (greedy equality with ``ar`` and the exact sampled distribution are tested on it,
 ``tests/test_lean_drafter.py``).
 
@@ -104,7 +108,6 @@ class LeanDrafter:
                                            [k[0].contiguous() for k, _ in ctx_kv], [v[0].contiguous() for _, v in ctx_kv],
                                            ctx_pos[0].contiguous(), ctx_valid[0].contiguous())
         return BlockOutput(h=h[None, None], h_pre=h_pre[None, None], r=r[None, None], c=c[None, None])
-
 
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`DSpineDrafter.context_kv` for one request: feats [1, n, F*d] float32, pos
