@@ -267,6 +267,10 @@ def main() -> int:
                 h["head"].train()
                 h["curve"].append(pt)
                 say("eagle", name, pt)
+                if args.out:  # the curve so far, so a stopped run keeps its points
+                    res["eagle_curves"] = {n: g["curve"] for n, g in heads.items()}
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps({**res, "partial": True}, indent=1) + "\n")
                 h["next_eval"] += args.eval_every
                 if used >= args.budget:
                     h["done"] = True
