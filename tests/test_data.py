@@ -488,6 +488,11 @@ def test_pack_resume_and_load(tiny, tmp_path):
     gz.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="data-00000.jsonl.gz differs from the sha256"):
         DL.load_dataset(out, tiny)
+    # a build --resume refuses it too, before generating anything (training would refuse the result)
+    with pytest.raises(ValueError, match="data-00000.jsonl.gz differs from the sha256"):
+        B.build_dataset(tiny, [str(_prompts(tmp_path / "c.jsonl", 9))], out, max_new_tokens=6, batch_size=3,
+                        resume=True, progress=False)
+    assert not list(out.glob("data-*.jsonl"))  # nothing written
 
 
 def test_pack_refuses_what_would_lose_rows(tiny, tmp_path):

@@ -69,3 +69,15 @@ def test_decision_log_stays_bounded():
     for i in range(100):
         log.append(i)
     assert 4 <= len(log) <= 8 and log[-1] == 99
+
+
+def test_acceptance_reports_conditional_rates_per_cycle():
+    """`dspine acceptance`'s row_conditional: row k accepted among cycles that verified it with
+    the rows before accepted. Here row 2 is verified by one cycle only (the others verified 1):
+    the pooled-rate ratio would read (1/1) / (2/3) = 1.5, a probability above 1."""
+    from dspine.train.acceptance import conditional_rates
+
+    cycles = [(1, 1), (1, 0), (2, 2)]  # (verified, accepted)
+    assert conditional_rates(cycles, 2) == [round(2 / 3, 4), 1.0]
+    assert conditional_rates([(3, 0), (3, 1)], 3) == [0.5, 0.0, None]  # row 3: no cycle got there
+    assert conditional_rates([], 1) == [None]

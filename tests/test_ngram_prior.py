@@ -235,3 +235,72 @@ def test_cli_names_a_bad_prior_directory(tmp_path, capsys):
     assert main(["generate", "hi", "--target", "random:llama", "--drafter", "random", "--max-new-tokens", "2",
                  "--ngram-prior", str(tmp_path), "--verify-policy", "fixed", "--threads", "1"]) == 2
     assert "--ngram-prior" in capsys.readouterr().err
+
+
+def test_resolve_refuses_damaged_packed_data_text_data_and_a_manifest_without_tokenizer(tmp_path, monkeypatch):
+    """The prior counts exactly the rows training would accept: a packed shard whose bytes
+    differ from the manifest's sha256, one listed but missing, or one not listed is refused
+    (as `dspine train` refuses it), and so are `dspine data text` directories (human text,
+    not the target's answers) and a manifest that cannot be checked against the target."""
+    from dspine.data.store import pack_dataset
+    from dspine.data.tokenizer import tokenizer_fingerprint
+    from dspine.target.adapter import load_target
+
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
+    target = load_target("random:llama")
+    tok = tokenizer_fingerprint(target.tokenizer)
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"target": "random:llama", "tokenizer": tok}))
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3, 2, 4]}) + "\n")
+    pack_dataset(d)
+    assert resolve_prior(str(d), target).lookup([2])[0]  # sound: built
+    gz = d / "data-00000.jsonl.gz"
+    good = gz.read_bytes()
+    gz.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(ValueError, match="--ngram-prior .*differs from the sha256"):
+        resolve_prior(str(d), target)
+    gz.write_bytes(good)
+    (d / "data-00001.jsonl.gz").write_bytes(good)  # an extra packed shard nobody listed
+    with pytest.raises(ValueError, match="--ngram-prior .*not listed"):
+        resolve_prior(str(d), target)
+    (d / "data-00001.jsonl.gz").unlink()
+    man = json.loads((d / "manifest.json").read_text())
+    for packed in ([], {"data-00000.jsonl.gz": "x"}):
+        (d / "manifest.json").write_text(json.dumps({**man, "packed": packed}))
+        with pytest.raises(ValueError, match="--ngram-prior .*'packed' must map"):
+            resolve_prior(str(d), target)
+    (d / "manifest.json").write_text(json.dumps({**man, "kind": "text"}))
+    with pytest.raises(ValueError, match="--ngram-prior .*dspine data text"):
+        resolve_prior(str(d), target)
+    for tokenizer in (None, "abc"):
+        (d / "manifest.json").write_text(json.dumps({**{k: v for k, v in man.items() if k != "tokenizer"},
+                                                     **({"tokenizer": tokenizer} if tokenizer else {})}))
+        with pytest.raises(ValueError, match="--ngram-prior .*names no tokenizer fingerprint"):
+            resolve_prior(str(d), target)
+
+
+def test_the_cache_keeps_the_most_recently_used_tables(tmp_path):
+    """Data that grows writes a new table per change (~100 MB each for the committed data):
+    the cache keeps the newest ``CACHE_KEEP`` by use and removes the rest."""
+    import os
+    import time as _time
+
+    from dspine.data.prior import CACHE_KEEP, prune_cache
+
+    cache = tmp_path / "cache"
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"target": "random:llama"}))
+    made = []
+    for k in range(CACHE_KEEP + 2):  # the data changes each time: a new table each time
+        (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3 + k]}) + "\n")
+        prior_from_data(d, cache, beta=0)
+        new = [f for f in cache.glob("ngram-prior-*.npz") if f not in made]
+        assert len(new) == 1
+        made += new
+        os.utime(new[0], (_time.time() - 100 + k, _time.time() - 100 + k))  # distinct ages, oldest first
+    left = sorted(cache.glob("ngram-prior-*.npz"))
+    assert len(left) == CACHE_KEEP and set(left) == set(made[-CACHE_KEEP:])
+    assert prune_cache(cache, n=1) == [made[-2]]  # the older of the two
+    assert list(cache.glob("*.npz")) == [made[-1]]

@@ -157,3 +157,32 @@ def test_library_errors_name_the_field_and_the_command_line_its_flag(tiny256, ca
                  "--max-new-tokens", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "dspine: error: --linear-backend blockq: not available" in err and "SpeculativeConfig" not in err
+
+
+@pytest.mark.parametrize("kw,field", [({"temperature": "0.7"}, "temperature"), ({"temperature": None}, "temperature"),
+                                      ({"temperature": True}, "temperature"), ({"top_p": "0.9"}, "top_p"),
+                                      ({"min_p": None}, "min_p"), ({"top_k": True}, "top_k"),
+                                      ({"top_k": 2.0}, "top_k"), ({"seed": -1}, "seed")])
+def test_sampling_settings_of_the_wrong_type_name_the_field(kw, field):
+    """The Python API's SamplingConfig refuses a str, None or bool where a number goes with a
+    ConfigError naming the field (not a TypeError from a comparison, nor True read as 1)."""
+    from dspine.config import SamplingConfig
+
+    with pytest.raises(ConfigError) as e:
+        SamplingConfig(**kw)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_by_name():
+    """Command-line bytes that are not UTF-8 reach Python as lone surrogates; the tokenizer
+    would raise a TypeError deep inside: refused with a ValueError that says what to do."""
+    from dspine.target.adapter import load_target
+
+    target = load_target("random:llama")
+    bad = b"abc\xff\xfe".decode("utf-8", "surrogateescape")
+    for chat in (False, True):
+        if chat and getattr(target.tokenizer, "chat_template", None) is None:
+            continue
+        with pytest.raises(ValueError, match="not valid UTF-8"):
+            target.encode_prompt(bad, chat=chat)
+    assert target.encode_prompt("abc") == target.encode_prompt("abc")  # text still encodes

@@ -112,6 +112,9 @@ def test_tree_settings_refused_with_names():
         with pytest.raises(ValueError, match="SpeculativeConfig.tree_shape"):
             parse_tree_shape(bad)
     assert not TreeSpec(0).enabled and TreeSpec(3).describe() == "tree(budget=3, shape=dynamic)"
+    # cost sizing cuts best-first trees only: a static shape says it is verified whole
+    assert TreeSpec(3, size="cost").describe() == "tree(budget=3, shape=dynamic, size=cost)"
+    assert "size=fixed: a static shape" in TreeSpec(7, shape=(4, 2, 1), size="cost").describe()
 
 
 # -- construction ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -76,7 +77,7 @@ class DSpineConfig:
     def __post_init__(self) -> None:
         for f in ("rms_eps", "rope_theta"):  # numbers (a JSON int is fine), never bool or str
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ConfigError(f"DSpineConfig.{f} must be a number, got {v!r}")
         if not (math.isfinite(self.rms_eps) and self.rms_eps > 0):
             raise ConfigError(f"DSpineConfig.rms_eps must be positive, got {self.rms_eps}")
@@ -212,16 +213,20 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):  # a str, None or bool is not a number here
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ConfigError(f"{name} must be a number, got {v!r}", name)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an int >= 0, got {self.top_k}")
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}", "temperature")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an int >= 0, got {self.top_k!r}", "top_k")
         if not (0 < self.top_p <= 1):
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not (0 <= self.min_p < 1):
-            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
+            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}", "min_p")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**63 - 1:
-            raise ConfigError(f"seed must be an integer in 0 .. 2**63 - 1, got {self.seed!r}")
+            raise ConfigError(f"seed must be an integer in 0 .. 2**63 - 1, got {self.seed!r}", "seed")
 
     @property
     def greedy(self) -> bool:

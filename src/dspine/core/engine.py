@@ -336,6 +336,7 @@ class Engine:
         st.verify_s = sum(c.verify_s for c in req.cycles)
         st.peak_memory_bytes = _peak_memory_bytes(self.target.device)
         st.verification_lengths = [c.n for c in req.cycles]
+        st.accepted_lengths = [max(0, c.emitted - 1) for c in req.cycles]
         if any(c.tree_nodes for c in req.cycles):
             st.tree_nodes = [c.tree_nodes for c in req.cycles]
         st.kernels = self.kernel_info()

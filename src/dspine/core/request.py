@@ -61,6 +61,8 @@ class GenerationStats:
     verify_s: float = 0.0
     peak_memory_bytes: int = 0
     verification_lengths: list[int] = field(default_factory=list)
+    # per cycle: proposals accepted (emitted - 1; at most the verification length)
+    accepted_lengths: list[int] = field(default_factory=list)
     # per cycle: nodes of the verified draft tree (0 for a chain); empty when no cycle had a tree
     tree_nodes: list[int] = field(default_factory=list)
     # what ran: target dtype and threads, the verification policy, the drafter's

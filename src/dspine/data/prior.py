@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dspine.argtypes import MAX_NGRAM_PRIOR_WEIGHT as MAX_WEIGHT
-from dspine.data.store import _parse_row, _shard_bytes
+from dspine.data.store import MANIFEST, _parse_row, _shard_bytes, verify_packed
 from dspine.drafter.ngram_prior import TOP, NgramPrior
 
 FORMAT = "dspine-ngram-prior-2"  # 2: uint16 counts and totals, uint16 ids where they fit
@@ -38,13 +38,16 @@ def prior_from_data(data_dir: str | Path, cache_dir: str | Path | None = None, v
 
     Raises:
         ValueError: ``data_dir`` holds no data shards or no rows, a damaged shard or row
-            (naming the file and line), or (with ``vocab_size``) a token id outside
+            (naming the file and line), a packed shard missing, changed or not listed in its
+            manifest (:func:`dspine.data.store.verify_packed`), or (with ``vocab_size``) a token id outside
             ``0 .. vocab_size - 1``.
     """
     d = Path(data_dir)
     shards = sorted(d.glob("data-*.jsonl.gz")) + sorted(d.glob("data-*.jsonl"))
     if not shards:
         raise ValueError(f"{d} holds no data shards (data-*.jsonl[.gz])")
+    if (d / MANIFEST).is_file():
+        verify_packed(d)  # a damaged, missing or unlisted packed shard, as training refuses it
     h = hashlib.sha256(f"{FORMAT} top={TOP}".encode())
     for sh in shards:
         h.update(sh.name.encode())
@@ -56,6 +59,10 @@ def prior_from_data(data_dir: str | Path, cache_dir: str | Path | None = None, v
             with np.load(f) as z:
                 prior = NgramPrior(z["keys"], z["ids"], z["counts"], z["totals"], source=f"{d} ({tag})", **kw)
             _check_vocab(prior.ids, vocab_size, d)
+            try:
+                os.utime(f)  # most recently used: kept by prune_cache
+            except OSError:
+                pass
             return prior
         except (OSError, ValueError, KeyError, EOFError) as e:
             if isinstance(e, ValueError) and "outside" in str(e):
@@ -80,7 +87,34 @@ def prior_from_data(data_dir: str | Path, cache_dir: str | Path | None = None, v
         with os.fdopen(fd, "wb") as out:
             np.savez(out, keys=prior.keys, ids=prior.ids, counts=prior.counts, totals=prior.totals)
         os.replace(tmp, f)
+        prune_cache(f.parent, keep=f)
     return prior
+
+
+#: prior tables kept in the cache (the newest by use); each is ~100+ MB for the committed data
+CACHE_KEEP = 2
+
+
+def prune_cache(cache_dir: str | Path, keep: Path | None = None, n: int = CACHE_KEEP) -> list[Path]:
+    """Remove all but the ``n`` most recently used prior tables (``ngram-prior-*.npz``) from
+    ``cache_dir``, never ``keep``; a table is rebuilt from its data when needed again (10-15 s).
+    Data that grows writes a new table each time, so without this the cache grows by ~100 MB
+    per change. Returns the removed files."""
+    files = sorted(Path(cache_dir).glob("ngram-prior-*.npz"), key=lambda q: q.stat().st_mtime, reverse=True)
+    survivors = [keep] if keep is not None else []
+    gone = []
+    for q in files:
+        if q == keep:
+            continue
+        if len(survivors) < n:
+            survivors.append(q)
+            continue
+        try:
+            q.unlink()
+            gone.append(q)
+        except OSError:
+            pass  # another process's file, or already gone
+    return gone
 
 
 def committed_data_dir(target_name: str) -> Path | None:
@@ -130,6 +164,12 @@ def resolve_prior(setting: str, target, weight: float = 0.5) -> NgramPrior | Non
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"--ngram-prior {setting}: {man_f} is damaged ({e})") from None
+    if man.get("kind") == "text":
+        raise ValueError(f"--ngram-prior {setting}: a `dspine data text` directory (human text); the prior counts "
+                         f"the target's own answers: give a `dspine data build` directory")
+    if not isinstance(target, str) and not isinstance(man.get("tokenizer"), dict):
+        raise ValueError(f"--ngram-prior {setting}: {man_f} names no tokenizer fingerprint ('tokenizer'), so its "
+                         f"rows cannot be checked against target {name!r}; rebuild it with `dspine data build`")
     if isinstance(target, str):
         same = man.get("target") == name
     else:

@@ -65,7 +65,13 @@ def _shard_bytes(shard: Path) -> bytes:
 
 def _repair_and_scan(out: Path) -> tuple[set[str], dict]:
     """Cut torn trailing lines off every plain shard; return done ids and row/token counts
-    over packed and plain shards."""
+    over packed and plain shards (a row id seen twice counts once).
+
+    Raises:
+        ValueError: a packed shard missing, damaged or not listed in the manifest
+            (:func:`verify_packed`), or a damaged row (naming shard and line).
+    """
+    verify_packed(out)  # a damaged, missing or unlisted packed shard: refused before hours of generation
     done: set[str] = set()
     counts = {"prompts": 0, "prompt_tokens": 0, "response_tokens": 0, "finished": 0}
     for shard in _all_shards(out):
@@ -76,6 +82,8 @@ def _repair_and_scan(out: Path) -> tuple[set[str], dict]:
                 f.truncate(keep)
         for lineno, line in enumerate(data[:keep].splitlines(), 1):
             row = _parse_row(line, shard, lineno)
+            if str(row["id"]) in done:
+                continue
             done.add(str(row["id"]))
             counts["prompts"] += 1
             counts["prompt_tokens"] += len(row["prompt_ids"])
@@ -208,6 +216,11 @@ def verify_packed(data_dir: str | Path, man: dict | None = None) -> None:
     d = Path(data_dir)
     man = man if man is not None else (read_manifest(d) or {})
     table = man.get("packed", {})
+    if table is None:
+        table = {}
+    if not isinstance(table, dict) or not all(isinstance(e, dict) for e in table.values()):
+        raise ValueError(f"{d / MANIFEST} is damaged: 'packed' must map each packed shard to "
+                         f'{{"sha256": ..., "rows": ...}}; restore the file from the repository or run `dspine data pack`')
     for shard in _packed(d):
         e = table.get(shard.name)
         if e is None:

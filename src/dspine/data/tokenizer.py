@@ -45,4 +45,5 @@ def encode_record(target, rec: dict) -> list[int]:
 def _same_target(man: dict, target, fp: dict) -> bool:
     same_name = man.get("target") == target.name or (
         target.path is not None and man.get("target_path") == target.path)
-    return same_name and man.get("tokenizer", {}).get("vocab_sha256") == fp["vocab_sha256"]
+    tok = man.get("tokenizer")
+    return same_name and isinstance(tok, dict) and tok.get("vocab_sha256") == fp["vocab_sha256"]

@@ -45,6 +45,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+
+class PromptTextError(UnicodeError):
+    """A prompt that is not valid Unicode text (a ValueError too: command lines report it)."""
+
 class ByteTokenizer:
     """Minimal tokenizer for random targets: UTF-8 bytes modulo the vocabulary size.
 
@@ -237,7 +241,22 @@ class Target:
         return TargetOutput(logits=out.logits.float(), features=feats)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template is applied."""
+        """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template is applied.
+
+        Raises:
+            ValueError: ``prompt`` is not a string; :class:`PromptTextError` (a ValueError and
+                UnicodeError) where it is not valid Unicode text (lone surrogates: what Python
+                makes of command-line bytes that are not UTF-8); a target without a chat
+                template with ``chat``.
+        """
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptTextError(f"prompt is not valid UTF-8 text (character {e.start}: "
+                                  f"{prompt[e.start:e.start + 1]!r}); convert it first, e.g. "
+                                  f"`iconv -f latin1 -t utf-8`") from None
         tok = self.tokenizer
         if chat:
             if getattr(tok, "chat_template", None) is None:

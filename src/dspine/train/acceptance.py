@@ -23,7 +23,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     Returns ``{"tau_<set>": pooled tokens/cycle, "tau_<set>_per_prompt": [...],
     "row_accept_<set>": [...], "row_conditional_<set>": [...], "n_<set>": prompts}``, where
     ``row_accept[k-1]`` is the share of cycles verifying row k that accepted it (with a chain,
-    rows < k were accepted too) and ``row_conditional[k-1]`` that share given row k-1 accepted. Prompts come from :func:`dspine.data.sources.heldout_prompts`
+    rows < k were accepted too) and ``row_conditional[k-1]`` the share of cycles that verified row k with rows < k accepted which accepted row k (None where no cycle did). Prompts come from :func:`dspine.data.sources.heldout_prompts`
     (never trained on).
     """
     from dspine.data.tokenizer import encode_record
@@ -45,6 +45,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
         per, by_src, nodes = [], {}, []
         acc_k: list[float] = []  # per row k: cycles that accepted row k (pooled over prompts)
         drafted_k: list[int] = []  # per row k: cycles that drafted (verified) row k
+        cycles_va: list[tuple[int, int]] = []  # per cycle: (verification length, proposals accepted)
         it = prompts
         if progress:
             from tqdm.auto import tqdm
@@ -57,6 +58,7 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
             emitted += round(st.accepted_length_mean * st.cycles)  # tokens emitted by cycles
             cycles += st.cycles
             per.append(round(st.accepted_length_mean, 3))
+            cycles_va += zip(st.verification_lengths, st.accepted_lengths)
             for k, rate in enumerate(st.accepted_per_position):
                 d = sum(1 for v in st.verification_lengths if v > k)
                 while len(acc_k) <= k:
@@ -78,8 +80,9 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
         # conditional rate given row k-1 accepted (row 1: given the anchor)
         rates = [round(a / d, 4) if d else None for a, d in zip(acc_k, drafted_k)]
         res[f"row_accept_{s}"] = rates
-        res[f"row_conditional_{s}"] = [r if k == 0 or not rates[k - 1] or r is None else round(r / rates[k - 1], 4)
-                                       for k, r in enumerate(rates)]
+        # row k+1 accepted among cycles that verified it with rows 1..k accepted (None: no such
+        # cycle); counted per cycle, since fewer cycles verify the later rows near a request's end
+        res[f"row_conditional_{s}"] = conditional_rates(cycles_va, len(rates))
         res[f"n_{s}"] = len(prompts)
         res["draft_tree"] = eng.tree_info()
         if nodes:
@@ -87,3 +90,16 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
     res["max_new_tokens"] = max_new_tokens
     drafter.train(was_training)
     return res
+
+
+def conditional_rates(cycles: list[tuple[int, int]], rows: int) -> list[float | None]:
+    """Per row k = 1..``rows``: among cycles that verified row k with rows 1..k-1 accepted,
+    the share that accepted row k (None where no cycle did). ``cycles``: (verification
+    length, proposals accepted) per cycle, a chain's or a tree's path. Counted per cycle: the
+    ratio of two rows' pooled rates is not this, since fewer cycles verify the later rows
+    (near a request's end, or when the policy verifies fewer) and can exceed 1."""
+    out: list[float | None] = []
+    for k in range(rows):
+        reached = [a for v, a in cycles if v > k and a >= k]
+        out.append(round(sum(1 for a in reached if a > k) / len(reached), 4) if reached else None)
+    return out

@@ -233,6 +233,9 @@ def cmd_acceptance(args) -> int:
 
     device = str(resolve_device(args.device))
     validate_runtime(None, None, dtype=args.dtype, device=device)  # as `generate`, before loading
+    from dspine.tune.threads import choose_threads
+
+    choose_threads(args.threads)  # τ does not depend on them; a busy machine's free cores do
     target = load_target(args.target, dtype=args.dtype, device=device)
     if args.drafter == "random":  # untrained baseline (tau of a drafter that knows nothing)
         model = random_drafter(target, mode=args.mode or "dspine", dtype=target.dtype)
@@ -376,6 +379,9 @@ def add_train_parser(sub) -> None:
     a.add_argument("--max-new-tokens", type=positive_int, default=96)
     a.add_argument("--dtype", default="float32")
     a.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    a.add_argument("--threads", type=thread_count, default=0,
+                   help="torch CPU threads (default 0: one per core, less the cores other processes keep busy; "
+                        "τ does not depend on it)")
     a.add_argument("--proposer", default="drafter", choices=list(PROPOSER_NAMES),
                    help="drafter (the default here: the drafter's own tau) | ngram (copies of the request's "
                         "own text) | hybrid (copies where the context repeats, the drafter elsewhere)")

@@ -93,7 +93,9 @@ class TreeSpec:
         if not self.enabled:
             return "chain"
         shape = "dynamic" if self.shape is None else ",".join(map(str, self.shape))
-        size = ", size=cost" if self.size == "cost" else ""
+        size = ""
+        if self.size == "cost":  # sizing cuts greedy best-first trees; a static shape is verified whole
+            size = ", size=cost" if self.shape is None else ", size=fixed: a static shape verifies all its nodes"
         return f"tree(budget={self.budget}, shape={shape}{size})"
 
 
