@@ -63,6 +63,7 @@ def prior_from_data(data_dir: str | Path, cache_dir: str | Path | None = None, v
                 os.utime(f)  # most recently used: kept by prune_cache
             except OSError:
                 pass
+            prune_cache(f.parent, keep=f)
             return prior
         except (OSError, ValueError, KeyError, EOFError) as e:
             if isinstance(e, ValueError) and "outside" in str(e):
