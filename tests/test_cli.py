@@ -387,3 +387,33 @@ def test_a_damaged_gguf_target_is_a_clean_error(capsys, tmp_path, monkeypatch):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
     code, out, err = cli(capsys, "generate", "hi", "--target", str(bad), "--mode", "ar")
     assert_error(code, err, "--target", "not a readable GGUF model")
+
+
+def test_acceptance_names_an_unknown_set_before_loading(capsys, monkeypatch):
+    """`--sets code foo` is refused naming --sets before the target loads (it used to run the
+    whole code set first)."""
+    import dspine.target.adapter as adapter
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before --sets was checked")
+
+    monkeypatch.setattr(adapter, "load_target", no_load)
+    code, out, err = cli(capsys, "acceptance", "--target", CLI_TARGET, "--drafter", "random", "--sets", "code", "foo")
+    assert_error(code, err, "--sets 'foo'", "accepted: code, chat")
+
+
+def test_engine_takes_one_stop_string_and_a_tensor_prompt(tiny256):
+    """The Python API: ``stop="ab"`` is one stop string (not 'a' and 'b'), and a 1-D tensor
+    prompt is its values (it used to fail on a tensor's truth value)."""
+    import torch
+
+    from dspine.config import SamplingConfig
+    from dspine.core.engine import Engine, EngineError
+
+    eng = Engine(tiny256, None, "ar")
+    req = eng.start([5, 6, 7], SamplingConfig(), 4, stop="ab")
+    assert req.stop == ["ab"]
+    a = eng.generate(torch.tensor([5, 6, 7]), SamplingConfig(), 6).token_ids
+    assert a == eng.generate([5, 6, 7], SamplingConfig(), 6).token_ids
+    with pytest.raises(EngineError, match="1-D tensor"):
+        eng.start(torch.tensor([[5, 6]]), SamplingConfig(), 4)

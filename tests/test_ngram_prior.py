@@ -304,3 +304,25 @@ def test_the_cache_keeps_the_most_recently_used_tables(tmp_path):
     assert len(left) == CACHE_KEEP and set(left) == set(made[-CACHE_KEEP:])
     assert prune_cache(cache, n=1) == [made[-2]]  # the older of the two
     assert list(cache.glob("*.npz")) == [made[-1]]
+
+
+def test_weight_zero_turns_the_prior_off(tmp_path, monkeypatch, capsys):
+    """``--ngram-prior-weight 0`` is off, said on stderr: the table is not loaded, and the
+    prior's continuation is not injected as a candidate (it used to be, changing proposals)."""
+    from dspine.build import build_engine
+    from dspine.config import SpeculativeConfig
+    from dspine.data.tokenizer import tokenizer_fingerprint
+    from dspine.target.adapter import load_target
+
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
+    d = tmp_path / "data"
+    d.mkdir()
+    tok = tokenizer_fingerprint(load_target("random:llama").tokenizer)
+    (d / "manifest.json").write_text(json.dumps({"target": "random:llama", "tokenizer": tok}))
+    (d / "data-00000.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1], "response_ids": [2, 3, 2, 4]}) + "\n")
+    on = SpeculativeConfig(target="random:llama", drafter="random", ngram_prior=str(d), proposer="drafter")
+    _, eng = build_engine(on)
+    assert eng.kernel_info().get("ngram_prior")
+    _, eng = build_engine(SpeculativeConfig(**{**on.__dict__, "ngram_prior_weight": 0.0}))
+    assert not eng.kernel_info().get("ngram_prior")
+    assert "--ngram-prior-weight 0" in capsys.readouterr().err

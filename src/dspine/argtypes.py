@@ -166,7 +166,7 @@ def add_ngram_prior_args(p, default: str = "off") -> None:
                         "after the same 1-6 tokens in its regenerated training answers (auto: the repository's "
                         f"committed data for the target; DIR: a `dspine data build` directory); default {default}")
     p.add_argument("--ngram-prior-weight", type=prior_weight, default=0.5, metavar="W",
-                   help="weight of the prior's log-probability in the chain's scores (0..100, default 0.5)")
+                   help="weight of the prior's log-probability in the chain's scores (0..100, default 0.5; 0: the prior is off)")
 
 
 def prior_weight(text: str) -> float:

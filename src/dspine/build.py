@@ -206,11 +206,12 @@ def drafter_engine(target, model, drafter_path: str | None, mode: str, *, propos
         try:
             vocab = resolve_vocab(draft_vocab, path, model.cfg.vocab_size, model.cfg.head_topk)
             prior = (resolve_prior(ngram_prior, target, ngram_prior_weight)
-                     if model.cfg.final_stage else None)
+                     if model.cfg.final_stage and ngram_prior_weight > 0 else None)
             if ngram_prior != "off" and prior is None:  # said, not silently dropped
                 import sys
 
                 why = ("the DFlash-style drafter has no final stage to score" if not model.cfg.final_stage else
+                       "--ngram-prior-weight 0 (the table would be loaded for nothing)" if ngram_prior_weight <= 0 else
                        f"no committed training data for target {target.name!r} (give a data directory)")
                 print(f"dspine: note: --ngram-prior {ngram_prior} is off: {why}", file=sys.stderr, flush=True)
             drafting = measured_proposer(model, head_kernel=head_kernel, linears=drafter_linears, vocab=vocab,

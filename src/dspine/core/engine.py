@@ -110,11 +110,21 @@ class Engine:
         ``tenant``: whose part of a cross-request output cache the request reads and, once
         finished, writes (:mod:`dspine.proposers.cache`; None = the default tenant).
 
+        ``prompt_ids``: a list of ints (a 1-D tensor is taken as its values); ``stop``: a
+        list of stop strings (one string is one stop string, not its characters).
+
         Raises:
             EngineError: empty prompt, ``max_new_tokens`` < 1, or prompt + max_new_tokens
                 beyond the target's context window.
         """
         sampling = sampling or SamplingConfig()
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() != 1:
+                raise EngineError(f"prompt_ids must be a list of token ids or a 1-D tensor, got shape "
+                                  f"{tuple(prompt_ids.shape)}")
+            prompt_ids = prompt_ids.tolist()
+        if isinstance(stop, str):
+            stop = [stop]
         if not prompt_ids:
             raise EngineError("prompt is empty")
         if max_new_tokens < 1:

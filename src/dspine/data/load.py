@@ -41,11 +41,15 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
     tgt = target if isinstance(target, Target) else load_target(target)
     fp = tokenizer_fingerprint(tgt.tokenizer)
     if not _same_target(man, tgt, fp):
+        tok = man.get("tokenizer") if isinstance(man.get("tokenizer"), dict) else {}
+        theirs = str(tok.get("vocab_sha256") or "none recorded")[:12]
+        why = ("" if theirs != fp["vocab_sha256"][:12] else
+               "; the tokenizers agree, so the target's name or path differs")
         raise ValueError(f"data in {d} was built for target {man.get('target')!r} (tokenizer "
-                         f"{man.get('tokenizer', {}).get('vocab_sha256', '?')[:12]}), not for target "
-                         f"{tgt.name!r} (tokenizer {fp['vocab_sha256'][:12]})")
+                         f"{theirs}), not for target {tgt.name!r} (tokenizer {fp['vocab_sha256'][:12]}){why}")
     if not man.get("complete", False):
-        print(f"note: {d} is an unfinished build ({man.get('counts', {}).get('prompts', 0)} rows so far); "
+        counts = man.get("counts") if isinstance(man.get("counts"), dict) else {}
+        print(f"note: {d} is an unfinished build ({counts.get('prompts', '?')} rows so far); "
               f"using the rows written (finish it with `dspine data build ... --resume`)", file=sys.stderr)
     verify_packed(d, man)
     seqs = []

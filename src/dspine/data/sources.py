@@ -320,6 +320,10 @@ def _dedupe(records: Iterable[dict]) -> Iterator[dict]:
             yield r
 
 
+#: the held-out sets :func:`heldout_prompts` knows
+HELDOUT_KINDS = ("code", "chat", "humaneval", "mtbench", "bfcl")
+
+
 def heldout_prompts(kind: str, n: int | None = None, **kwargs) -> list[dict]:
     """Held-out eval prompts of ``kind``.
 

@@ -231,6 +231,11 @@ def cmd_acceptance(args) -> int:
     from dspine.target.adapter import load_target
     from dspine.guards import resolve_device, validate_runtime
 
+    from dspine.data.sources import HELDOUT_KINDS
+
+    bad = [k for k in args.sets if k not in HELDOUT_KINDS]
+    if bad:  # before minutes of loading and of the sets before it
+        raise ValueError(f"--sets {bad[0]!r} is unknown; accepted: {', '.join(HELDOUT_KINDS)}")
     device = str(resolve_device(args.device))
     validate_runtime(None, None, dtype=args.dtype, device=device)  # as `generate`, before loading
     from dspine.tune.threads import choose_threads
@@ -260,17 +265,18 @@ def cmd_acceptance(args) -> int:
                     model.cfg.head_topk)
     from dspine.data.prior import resolve_prior
 
-    prior = resolve_prior(args.ngram_prior, target, args.ngram_prior_weight)
+    prior = None
     if args.ngram_prior != "off":  # said, not silently dropped or shown as used
-        why = ("no committed training data for the target" if prior is None else
-               "the DFlash-style drafter has no final stage to score" if not model.cfg.final_stage else
-               "--proposer ngram runs no drafter" if args.proposer == "ngram" else None)
+        why = ("the DFlash-style drafter has no final stage to score" if not model.cfg.final_stage else
+               "--proposer ngram runs no drafter" if args.proposer == "ngram" else
+               "--ngram-prior-weight 0" if args.ngram_prior_weight <= 0 else None)
+        if why is None:  # loaded (or built) only where it is used
+            prior = resolve_prior(args.ngram_prior, target, args.ngram_prior_weight)
+            why = "no committed training data for the target" if prior is None else None
         if why:
             print(f"dspine acceptance: note: --ngram-prior {args.ngram_prior} "
                   f"is off: "
                   f"{why}", file=sys.stderr, flush=True)
-        if not model.cfg.final_stage or args.proposer == "ngram":
-            prior = None
     apply_runtime(target, "auto")  # the dense runtime where supported (bit-identical float32; trees need it)
     res = measure_acceptance(target, model, sets=args.sets, n=args.n, max_new_tokens=args.max_new_tokens,
                              progress=True, proposer=args.proposer, tree=spec, copy_bonus=args.copy_bonus,
