@@ -259,3 +259,20 @@ def test_sampled_distribution_exact_on_a_blockq_target(monkeypatch):
     assert sum(isinstance(m, B.BlockQLinear) for m in t.model.modules()) > 0
     assert t.runtime.decode_path == "lean"  # dspine.runtime.lean: every layer in one C++ call
     TD.check_exact_with_negative_control(t, monkeypatch)
+
+
+def test_the_kernels_build_key_does_not_depend_on_the_thread_count():
+    """One compiled binary serves any thread count: a busy machine's 1-thread run and a quiet
+    machine's 2-thread run share it (each used to compile the kernels again, ~40 s)."""
+    import torch
+
+    from dspine.runtime.blockq import _build_key
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _build_key()
+        torch.set_num_threads(2)
+        assert _build_key() == one
+    finally:
+        torch.set_num_threads(before)

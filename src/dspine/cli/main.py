@@ -260,7 +260,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    g.add_argument("--seed", type=seed_int, default=0, help="seed of the request's sampler (0 .. 2**63-1)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the request's sampler (0 .. 2**63-1); the same seed repeats its sample under --verify-policy fixed (the cost policy's lengths follow measured times)")
     g = p.add_argument_group("speculation")
     g.add_argument("--mode", default="dspine", help="ar (the target alone) | dflash | dspine")
     g.add_argument("--drafter", default=None, help="drafter checkpoint dir, or 'random' (default: shipped)")

@@ -49,13 +49,17 @@ def shape_key(model: nn.Module) -> str:
 
 
 def _build_key() -> str:
-    from dspine.tune.machine import machine_key, march
+    """The compiled kernels' folder name: their source, this torch install, Python, the CPU
+    and the compiler flags. Not the thread count: the same binary serves any (a run on a busy
+    machine takes 1 thread, a quiet one 2, and each rebuilt the kernels before 2026-12-07)."""
+    from dspine.tune.machine import machine_info, march
 
     h = hashlib.sha256(_SOURCE.read_bytes())
     # the build files name this torch's include/lib paths: one folder per torch install, so two
     # environments sharing $DSPINE_HOME do not rebuild each other's kernels
+    cpu = {k: v for k, v in machine_info("cpu").items() if k != "threads"}
     h.update(f"{torch.__version__}|{Path(torch.__file__).resolve().parent}|{sys.version_info[:2]}|"
-             f"{machine_key()}|{march()}".encode())
+             f"{'|'.join(f'{k}={cpu[k]}' for k in sorted(cpu))}|{march()}".encode())
     return h.hexdigest()[:12]
 
 
