@@ -313,3 +313,16 @@ def test_a_cost_curve_measured_beside_the_backend_timing_is_provisional(load, mo
         entry = store.get(c.meta["cache_key"])
         assert entry["provisional"] is timed_here
         assert (untrusted_reason(entry) or "").startswith("measured in the process that also timed") == timed_here
+
+
+def test_tune_show_says_which_entries_other_kernels_measured():
+    """Entries keyed by another version of the kernels' source are listed as not used (they
+    read like current measurements before); current ones and unkeyed ones are not flagged."""
+    from dspine.runtime.blockq import source_version
+    from dspine.tune.cli import _older_kernels
+
+    cur = source_version()
+    assert _older_kernels(f"blockq-rows:V=8,max=32,kernels={cur}") is None
+    assert _older_kernels("cost:0123456789abcdef0123") is None
+    why = _older_kernels("blockq-rows:V=8,max=32,kernels=0000000000")
+    assert why and "0000000000" in why and cur in why

@@ -106,9 +106,27 @@ def show(device: str = "cpu", as_json: bool = False) -> int:
         cond = f"{when}, load average {e.get('loadavg_1m', '?')}" + (
             f", other processes ~{load:.1f} cores" if isinstance(load, (int, float)) else "")
         why = untrusted_reason(e)
+        old = _older_kernels(key)
         print(f"\n{key}\n  {what}\n  measured {cond}" + (f"\n  NOT TRUSTED: {why} (measured again by the next "
-                                                          f"run on a quiet machine)" if why else ""))
+                                                          f"run on a quiet machine)" if why else "")
+              + (f"\n  not used: {old}" if old else ""))
     return 0
+
+
+def _older_kernels(key: str) -> str | None:
+    """Why an entry keyed by another version of the blockq kernels' source (``kernels=HASH``)
+    is not used now (a cost curve's key is a digest and is not judged here), or None."""
+    import re
+
+    m = re.search(r"kernels=([0-9a-f]{6,})", key)
+    if not m:
+        return None
+    try:
+        from dspine.runtime.blockq import source_version
+    except Exception:  # noqa: BLE001 (a listing never fails on this)
+        return None
+    cur = source_version()
+    return None if m.group(1) == cur else f"measured with other kernels ({m.group(1)}; this install's are {cur})"
 
 
 def cmd_tune(args) -> int:
