@@ -488,6 +488,14 @@ def test_pack_resume_and_load(tiny, tmp_path):
     gz.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="data-00000.jsonl.gz differs from the sha256"):
         DL.load_dataset(out, tiny)
+    gz.write_bytes(bytes(raw[:20]) + bytes([raw[20] ^ 0xFF]) + bytes(raw[21:]))  # restored
+    DL.load_dataset(out, tiny)
+    dup = out / "data-00002.jsonl"  # a hand-made shard repeating a packed row: trained on twice
+    dup.write_text(json.dumps({"id": "q0", "prompt_ids": [1], "response_ids": [2]}) + "\n")
+    with pytest.raises(ValueError, match="row id 'q0' appears twice"):
+        DL.load_dataset(out, tiny)
+    dup.unlink()
+    gz.write_bytes(bytes(raw))
     # a build --resume refuses it too, before generating anything (training would refuse the result)
     with pytest.raises(ValueError, match="data-00000.jsonl.gz differs from the sha256"):
         B.build_dataset(tiny, [str(_prompts(tmp_path / "c.jsonl", 9))], out, max_new_tokens=6, batch_size=3,

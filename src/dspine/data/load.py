@@ -29,8 +29,9 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
     Args:
         target: a loaded ``Target`` or a target name (loaded to fingerprint its tokenizer).
     Raises:
-        ValueError: no manifest, the manifest's target/tokenizer differs (names both), or
-            a damaged row (names the shard file and line).
+        ValueError: no manifest, the manifest's target/tokenizer differs (names both), a
+            damaged row (names the shard file and line), or a row id that appears twice (a
+            copied or hand-edited shard: it would be trained on twice; names both places).
     """
     from dspine.target.adapter import Target, load_target
 
@@ -53,12 +54,18 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
               f"using the rows written (finish it with `dspine data build ... --resume`)", file=sys.stderr)
     verify_packed(d, man)
     seqs = []
+    where: dict[str, str] = {}  # row id -> "shard, line N" of its first occurrence
     for shard in _all_shards(d):
         data = _shard_bytes(shard)
         for lineno, line in enumerate(data.splitlines(keepends=True), 1):
             if not line.endswith(b"\n"):
                 break  # torn tail of an interrupted run
             row = _parse_row(line, shard, lineno)
+            rid, here = str(row["id"]), f"{shard.name}, line {lineno}"
+            if rid in where:
+                raise ValueError(f"{d}: row id {rid!r} appears twice ({where[rid]} and {here}); a copied or "
+                                 f"hand-edited shard? Each prompt's answer must be trained on once")
+            where[rid] = here
             p, r = row["prompt_ids"], row["response_ids"]
             seqs.append(Sequence(str(row["id"]), p + r, len(p), bool(row.get("finished", False)),
                                  str(row.get("source", "?")), row.get("kind", "chat")))
