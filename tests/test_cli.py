@@ -417,3 +417,18 @@ def test_engine_takes_one_stop_string_and_a_tensor_prompt(tiny256):
     assert a == eng.generate([5, 6, 7], SamplingConfig(), 6).token_ids
     with pytest.raises(EngineError, match="1-D tensor"):
         eng.start(torch.tensor([[5, 6]]), SamplingConfig(), 4)
+
+
+def test_generate_refuses_an_empty_or_undecodable_prompt_before_loading(capsys, monkeypatch):
+    """An empty prompt (without --chat) and command-line bytes that are not UTF-8 are named
+    before the target loads (they used to cost 10-20 s of loading first)."""
+    import dspine.cli.main as climain
+
+    def no_build(*a, **k):
+        raise AssertionError("the engine was built before the prompt was checked")
+
+    monkeypatch.setattr(climain, "build_engine", no_build)
+    code, out, err = cli(capsys, "generate", "")
+    assert_error(code, err, "the prompt is empty")
+    code, out, err = cli(capsys, "generate", b"abc\xff".decode("utf-8", "surrogateescape"))
+    assert_error(code, err, "not valid UTF-8")
