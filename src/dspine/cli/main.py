@@ -128,11 +128,9 @@ def cmd_generate(args) -> int:
                               min_p=args.min_p, seed=args.seed)  # validated before anything loads
     if args.prompt == "" and not args.chat:  # before anything loads (a chat template adds tokens)
         raise ValueError("the prompt is empty: give some text (or --chat, whose template adds the turn's tokens)")
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError as e:  # command-line bytes that are not UTF-8, before anything loads
-        raise ValueError(f"prompt is not valid UTF-8 text (character {e.start}: {args.prompt[e.start:e.start + 1]!r}); "
-                         f"convert it first, e.g. `iconv -f latin1 -t utf-8`") from None
+    from dspine.target.adapter import check_prompt_text
+
+    check_prompt_text(args.prompt)  # command-line bytes that are not UTF-8, before anything loads
     if args.stop is not None and any(s == "" for s in args.stop):  # before anything loads
         raise ValueError("--stop '' is empty: an empty stop string would match before any text; give a "
                          "non-empty string or leave --stop out")

@@ -45,9 +45,20 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-
 class PromptTextError(UnicodeError):
     """A prompt that is not valid Unicode text (a ValueError too: command lines report it)."""
+
+
+def check_prompt_text(prompt: str) -> None:
+    """Raises :class:`PromptTextError` where ``prompt`` is not valid Unicode text (lone
+    surrogates: what Python makes of command-line bytes that are not UTF-8)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptTextError(f"prompt is not valid UTF-8 text (character {e.start}: "
+                              f"{prompt[e.start:e.start + 1]!r}); convert it first, e.g. "
+                              f"`iconv -f latin1 -t utf-8`") from None
+
 
 class ByteTokenizer:
     """Minimal tokenizer for random targets: UTF-8 bytes modulo the vocabulary size.
@@ -251,12 +262,7 @@ class Target:
         """
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise PromptTextError(f"prompt is not valid UTF-8 text (character {e.start}: "
-                                  f"{prompt[e.start:e.start + 1]!r}); convert it first, e.g. "
-                                  f"`iconv -f latin1 -t utf-8`") from None
+        check_prompt_text(prompt)
         tok = self.tokenizer
         if chat:
             if getattr(tok, "chat_template", None) is None:
