@@ -77,11 +77,9 @@ def measure_acceptance(target, drafter, sets=("code", "chat"), n: int = 8, max_n
                                    for k, d in by_src.items()}
         res[f"tau_{s}_per_prompt"] = per
         # row k accepted among cycles that verified it (a chain: rows < k accepted too), and the
-        # conditional rate given row k-1 accepted (row 1: given the anchor)
+        # conditional rate given rows < k accepted, counted per cycle (conditional_rates)
         rates = [round(a / d, 4) if d else None for a, d in zip(acc_k, drafted_k)]
         res[f"row_accept_{s}"] = rates
-        # row k+1 accepted among cycles that verified it with rows 1..k accepted (None: no such
-        # cycle); counted per cycle, since fewer cycles verify the later rows near a request's end
         res[f"row_conditional_{s}"] = conditional_rates(cycles_va, len(rates))
         res[f"n_{s}"] = len(prompts)
         res["draft_tree"] = eng.tree_info()
