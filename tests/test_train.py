@@ -525,6 +525,34 @@ def test_training_data_with_ids_outside_the_vocabulary_is_refused(tmp_path):
         _training_seqs([str(data)], load_target("random:llama"), 64)
 
 
+def test_rows_with_a_short_answer_are_named_not_dropped_silently(tmp_path, capsys):
+    import json as _json
+
+    from dspine.cli.main import main
+    from dspine.train.cli import _training_seqs
+
+    data = tmp_path / "text"
+    assert main(["data", "text", "--target", "random:llama", "--sources", "stdlib", "--out", str(data),
+                 "--max-tokens", "300", "--seq-len", "64"]) == 0
+    f = data / "data-00000.jsonl"
+    rows = [_json.loads(l) for l in f.read_text().splitlines()]
+    rows[0]["response_ids"], rows[2]["response_ids"] = [], rows[2]["response_ids"][:1]
+    f.write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    seqs = _training_seqs([str(data)], load_target("random:llama"), 64)
+    assert len(seqs) == len(rows) - 2
+    assert f"2 of {len(rows)} rows have an answer of fewer than 2 tokens" in capsys.readouterr().err
+
+
+def test_train_names_a_bad_block_size_before_loading(capsys):
+    from dspine.cli.main import main
+
+    for bad, why in (("0", "must be 2..64"), ("1", "must be 2..64"), ("65", "must be 2..64"),
+                     ("x", "expected an integer")):
+        assert main(["train", "--data", "nowhere", "--out", "nowhere", "--block-size", bad]) == 2
+        assert f"--block-size: {why}" in capsys.readouterr().err
+
+
 @settings(max_examples=200, deadline=None)
 @given(n_prompt=st.integers(0, 60), n_resp=st.integers(0, 60), max_len=st.integers(2, 50))
 def test_fit_window_cuts_the_prompt_never_the_response(n_prompt, n_resp, max_len):

@@ -82,7 +82,8 @@ def add_memory_parser(sub) -> None:
                                    "vs bounded ring buffer), codebook, greedy tables, quantized head, "
                                    "and target weights/KV/state when a target is named.")
     p.add_argument("--config", default="release", help="release | small | drafter config path (default release)")
-    p.add_argument("--target", default=None, help="target name, HF dir, .gguf, or random:<arch>")
+    p.add_argument("--target", default=None, help="target name, HF dir, .gguf, or random:<arch> (a named target or .gguf is fetched "
+                        "and converted once on its first use, as generate does; no weights are loaded)")
     from dspine.argtypes import ngram_prior_setting, nonneg_int, positive_int, tree_budget
 
     p.add_argument("--context", type=positive_int, default=None,

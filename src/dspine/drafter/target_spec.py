@@ -93,8 +93,15 @@ def target_spec(target) -> TargetSpec:
     """A :class:`TargetSpec` for a target name/path, a loaded :class:`dspine.target.adapter.Target`,
     or a spec (returned as is).
 
-    Named and path targets are read from their ``config.json`` (no weights are loaded);
-    ``random:<arch>`` targets are built (they are tiny).
+    Named and path targets are read from their ``config.json``; no weights are loaded into
+    memory. A named target or a ``.gguf`` file is resolved as ``dspine generate`` resolves it
+    (:func:`dspine.target.registry.resolve_target`): on its first use on a machine its pinned
+    GGUF is fetched and converted once, with a note on stderr. ``random:<arch>`` targets are
+    built (they are tiny).
+
+    Raises:
+        TargetError: the name is neither known nor an existing path.
+        AssetError: the pinned download or its checksum failed.
     """
     if isinstance(target, TargetSpec):
         return target

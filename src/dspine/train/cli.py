@@ -16,9 +16,19 @@ from pathlib import Path
 
 import torch
 
-from dspine.argtypes import PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
+from dspine.argtypes import _int, PROPOSER_NAMES, add_tree_args, nonneg_float, nonneg_int, positive_float, positive_int, seed_int, unit_float, thread_count
+from dspine.config import MAX_BLOCK_SIZE
 from dspine.train.acceptance import measure_acceptance
 from dspine.train.card import _data_summary, _hardware, _warm_start_fields, write_model_card
+
+
+def _block_size(text: str) -> int:
+    """argparse type of ``--block-size``: checked before the target loads."""
+    v = _int(text)
+    if not 2 <= v <= MAX_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"must be 2..{MAX_BLOCK_SIZE} (the anchor and at least one "
+                                         f"proposal), got {v}")
+    return v
 
 
 def _drafter_config(args, target):
@@ -186,6 +196,9 @@ def _training_seqs(data_dirs, target, max_len: int | None = None):
                                  f"tokenizer")
         data += rows
     seqs = [(s.input_ids, s.response_start) for s in data if len(s.input_ids) - s.response_start >= 2]
+    if seqs and len(seqs) < len(data):  # an empty or one-token answer holds no block to train on
+        print(f"note: --data: {len(data) - len(seqs)} of {len(data)} rows have an answer of fewer than 2 "
+              f"tokens and are not trained on", file=sys.stderr, flush=True)
     if not seqs:
         raise ValueError(f"--data {data_dirs}: no usable sequences (need responses of >= 2 tokens)")
     if max_len is not None:
@@ -302,7 +315,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--steps", type=positive_int, default=1000)
     p.add_argument("--batch-size", type=positive_int, default=8, help="global sequences per step")
     p.add_argument("--anchors", type=positive_int, default=32, help="random anchors (blocks) per sequence")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=_block_size, default=16,
+                   help=f"rows of a block, anchor included: 2..{MAX_BLOCK_SIZE} (default 16; a --config "
+                        f"file or checkpoint keeps its own block size)")
     p.add_argument("--gamma", type=positive_float, default=7.0,
                    help="row k of a block weighs exp(-(k-1)/gamma) in the loss (spec s.9); a small gamma "
                         "puts the weight on the first rows, those a CPU's cost policy verifies")
