@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_curve(run: Path) -> list[dict]:
-    """The evaluation points of one run: step, training seconds at that step, tau and rows."""
+    """The evaluation points of one run: step, training seconds at that step, tau and rows.
+
+    ``train_s`` is the ``wall_s`` of the step record at the evaluation's step (or the last
+    one before it); one point per step, in step order. Raises ``SystemExit`` naming ``--runs``
+    when ``run`` has no ``metrics.jsonl``."""
     f = run / "metrics.jsonl"
     if not f.exists():
         raise SystemExit(f"--runs {run}: no metrics.jsonl (not a `dspine train --out` directory)")
@@ -37,8 +41,11 @@ def read_curve(run: Path) -> list[dict]:
             wall[rec["step"]] = rec["wall_s"]
         if "tau_code" in rec:
             points.append(rec)
+    # a run stopped between a save and its next one repeats those steps after --resume:
+    # the last record of a step is the one the saved run continued from
+    points = list({rec["step"]: rec for rec in points}.values())
     out = []
-    for rec in points:
+    for rec in sorted(points, key=lambda r: r["step"]):
         s = rec["step"]
         w = wall.get(s, max((v for k, v in wall.items() if k <= s), default=0.0))
         out.append({"step": s, "train_s": w, "tau_code": rec["tau_code"], "tau_chat": rec["tau_chat"],
