@@ -4,7 +4,7 @@ Reads each run's ``metrics.jsonl`` (the periodic ``--eval-every`` records that
 :func:`dspine.train.acceptance.measure_acceptance` wrote, and the step records' ``wall_s``:
 seconds of training in that process, evaluations excluded) and, with ``--start NAME=DIR``,
 measures a run's starting checkpoint with the same settings as the periodic evaluation
-(``--eval-prompts`` prompts per set, 48 new tokens, greedy, the float32 target, the drafter
+(``--eval-prompts`` prompts per set, 48 new tokens, greedy, the target in the runs' feature dtype, the drafter
 alone, chains verified whole, the candidate pass over all tokens), so that every curve starts at step 0. Writes a JSON file and a
 plot next to it.
 
@@ -54,8 +54,11 @@ def read_curve(run: Path) -> list[dict]:
     return out
 
 
-def start_point(path: str, n: int) -> dict:
-    """The starting checkpoint measured as the periodic evaluation measures (48 tokens)."""
+def start_point(path: str, n: int, dtype: str = "bfloat16") -> dict:
+    """The starting checkpoint measured as the periodic evaluation measures: 48 tokens, the target
+    in ``dtype``. A training process moves its target to ``--feature-dtype`` (bfloat16 by default
+    and always with a feature store) before its first evaluation, so its greedy answers are the
+    bfloat16 target's; a float32 start point would be measured on other answers."""
     import torch
 
     from dspine.drafter.checkpoint import load_drafter
@@ -64,6 +67,8 @@ def start_point(path: str, n: int) -> dict:
 
     target = load_target("smollm2-135m", dtype="float32")
     d = load_drafter(path, target, dtype=torch.float32)
+    target.model.to(getattr(torch, dtype))  # as dspine.train.loop does with the features' dtype
+    target.dtype = getattr(torch, dtype)
     r = measure_acceptance(target, d, n=n, max_new_tokens=48)  # all tokens, as the periodic evaluation
     return {"step": 0, "train_s": 0.0, "tau_code": r["tau_code"], "tau_chat": r["tau_chat"],
             "rows_code": r["row_accept_code"][:4], "rows_chat": r["row_accept_chat"][:4]}
@@ -94,6 +99,8 @@ def main() -> int:
     ap.add_argument("--runs", nargs="+", required=True, metavar="NAME=DIR")
     ap.add_argument("--start", nargs="*", default=[], metavar="NAME=CHECKPOINT")
     ap.add_argument("--eval-prompts", type=int, default=16, help="the runs' --eval-prompts")
+    ap.add_argument("--start-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the target's dtype in the runs' periodic evaluations: their --feature-dtype")
     ap.add_argument("--title", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -109,7 +116,7 @@ def main() -> int:
         pts = read_curve(Path(d))
         if name in starts:
             print(f"measuring the start of {name} ({starts[name]}) ...", file=sys.stderr, flush=True)
-            pts = [start_point(starts[name], args.eval_prompts)] + pts
+            pts = [start_point(starts[name], args.eval_prompts, args.start_dtype)] + pts
         res["curves"][name] = pts
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
