@@ -10,6 +10,7 @@ rounded to Q4_1 blocks (chi-square, with the negative control failing).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +277,28 @@ def test_the_kernels_build_key_does_not_depend_on_the_thread_count():
         assert _build_key() == one
     finally:
         torch.set_num_threads(before)
+
+
+def test_two_checkouts_compile_the_same_source_path(tmp_path, monkeypatch):
+    """Checkouts with the same kernel source share one build folder; each compiling its own
+    path made ninja rebuild whenever they took turns (~40 s per process in
+    ``benchmarks/defaults_vs_ar.py --old``). The folder's own copy is what is compiled."""
+    import shutil
+
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("DSPINE_HOME", str(tmp_path / "home"))
+    built = []
+    monkeypatch.setattr(ext, "load", lambda name, sources, build_directory, **kw: built.append(
+        (name, list(sources), build_directory)) or object())
+    original = B._SOURCE
+    for checkout in ("a", "b"):
+        copy = tmp_path / checkout / original.name
+        copy.parent.mkdir()
+        shutil.copyfile(original, copy)
+        monkeypatch.setattr(B, "_SOURCE", copy)
+        monkeypatch.setattr(B, "_STATE", {})
+        assert B.kernels(progress=False) is not None
+    (name_a, src_a, dir_a), (name_b, src_b, dir_b) = built
+    assert (name_a, src_a, dir_a) == (name_b, src_b, dir_b)
+    assert Path(src_a[0]).parent == Path(dir_a) and Path(src_a[0]).read_bytes() == original.read_bytes()

@@ -29,6 +29,7 @@ from dspine.core.request import Request
 from dspine.control.base import Controller, FixedPolicy
 from dspine.control.cost_curve import CostCurve
 from dspine.control.estimator import AcceptanceStats
+from dspine.control.per_source import PerSourcePolicy
 from dspine.control.policy import CostModelPolicy
 from dspine.tune.controller import make_policy, POLICIES
 from dspine.tune.cost import measure_cost
@@ -541,3 +542,27 @@ def test_bad_controller_settings_are_refused_when_built():
     with pytest.raises(ValueError, match="n must be >= 0"):
         curve.cycle_s(-1)
     assert CostModelPolicy(curve, half_life=8.0, explore_every=4)  # good settings still build
+
+
+def test_a_plain_step_is_priced_from_every_sources_cycles():
+    """A plain step (n = 0) is the same target step whichever proposer source planned it, so
+    a per-source policy prices it from every source's cycles. A one-token copy source that
+    almost always verifies (chat) saw only its own n = 1 cycles and priced n = 0 as the curve
+    scaled by its n = 1 overhead (1.25 here instead of the 1.0 every plain step took): it then
+    kept verifying one-token copies accepted 1 time in 4 at 1.5x a plain step, which loses.
+    The copy source's acceptance statistics still count its own cycles only."""
+    curve = CostCurve([1.0, 1.2, 1.4, 1.6], draft_s=0.0)
+    draft = CostModelPolicy(curve, source="draft", explore_every=0, cost_half_life=float("inf"))
+    copy = CostModelPolicy(curve, source="ngram1", explore_every=0, prior_accept=0.25,
+                           cost_half_life=float("inf"))
+    req = _Req()
+    for k in range(40):
+        c = _TimedCycle(0, 1, 1.0) if k % 2 else _TimedCycle(1, 2 if k % 8 == 0 else 1, 1.5)
+        c.source = "draft" if k % 2 else "ngram1"
+        req.cycles.append(c)
+    pol = PerSourcePolicy({"draft": draft, "ngram1": copy}, "draft")
+    req.source = "ngram1"
+    n = pol(req, 3)
+    assert copy.cycle_cost(0) == pytest.approx(1.0) and copy.cycle_cost(1) == pytest.approx(1.5)
+    assert copy.pooled.cycles == 20  # its own cycles only
+    assert n == 0  # (1 + 0.25) / 1.5 < 1 / 1.0: a plain step

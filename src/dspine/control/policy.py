@@ -84,7 +84,9 @@ class CostModelPolicy(PricedController):
             shared forward is not one request's cost); False keeps the curve as measured.
         cost_half_life: decay, in observed cycles, of those measured times.
         source: count only cycles of this proposer source (``CycleRecord.source``); None
-            counts every cycle. :class:`PerSourcePolicy` keeps one policy per source.
+            counts every cycle. :class:`PerSourcePolicy` keeps one policy per source. The
+            time of a plain step (n = 0) is observed from every source's cycles: it is the
+            same target step whichever source planned it.
         depth_prior: the prior of position j > 1 is the estimate at position j - 1
             (:meth:`confidence`); False (the default): ``prior_accept`` at every position.
             Measured on 2026-12-04 and not adopted: 0.91-1.10x the default over three runs,
@@ -176,13 +178,20 @@ class CostModelPolicy(PricedController):
         if st is None:
             st = states[self] = _RequestState(self.half_life)
         for c in req.cycles[st.seen:]:  # completed cycles only: never this cycle's draws
+            t = [getattr(c, f, None) for f in ("draft_s", "final_s", "verify_s")]
+            timed = self.observe_costs and None not in t and not getattr(c, "batched", False)
             if self.source is not None and getattr(c, "source", self.source) != self.source:
-                continue  # another source's cycle (PerSourcePolicy): its own policy counts it
+                # another source's cycle (PerSourcePolicy): its own policy counts it, except the
+                # cost of a plain step, which is the same step whichever source planned it. A
+                # source that mostly verifies (a one-token copy on chat) otherwise priced n = 0
+                # as the curve scaled by its own n = 1 overhead and took copies that lose
+                if timed and int(c.n) == 0:
+                    self.observe(0, float(sum(t)))
+                continue
             a = max(0, int(c.emitted) - 1)
             st.stats.update(int(c.n), a)
             self.pooled.update(int(c.n), a)
-            t = [getattr(c, f, None) for f in ("draft_s", "final_s", "verify_s")]
-            if self.observe_costs and None not in t and not getattr(c, "batched", False):
+            if timed:
                 self.observe(int(c.n), float(sum(t)))
         st.seen = len(req.cycles)
         return st

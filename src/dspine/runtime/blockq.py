@@ -21,6 +21,7 @@ whatever the number of rows (row r of a verification is bitwise row r alone); lo
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -60,7 +61,25 @@ def _build_key() -> str:
     cpu = {k: v for k, v in machine_info("cpu").items() if k != "threads"}
     h.update(f"{torch.__version__}|{Path(torch.__file__).resolve().parent}|{sys.version_info[:2]}|"
              f"{'|'.join(f'{k}={cpu[k]}' for k in sorted(cpu))}|{march()}".encode())
+    # compiled from the folder's own copy of the source (see kernels()); older folders were
+    # built from a checkout's path, and sharing one with them would rebuild both ways again
+    h.update(b"|source copied into the build folder")
     return h.hexdigest()[:12]
+
+
+def _source_in(build: Path) -> Path:
+    """The kernel source, copied into ``build`` (written only when it differs, atomically).
+
+    ``build`` is named by the source's content hash, so every checkout with this source
+    shares it; compiling each checkout's own path instead made ninja rebuild whenever two
+    checkouts took turns (``benchmarks/defaults_vs_ar.py --old``: ~40 s per process)."""
+    src = build / _SOURCE.name
+    data = _SOURCE.read_bytes()
+    if not src.exists() or src.read_bytes() != data:
+        tmp = build / f"{_SOURCE.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, src)
+    return src
 
 
 def kernels(progress: bool = True):
@@ -95,7 +114,7 @@ def kernels(progress: bool = True):
         from torch.utils.cpp_extension import load
         from dspine.tune.machine import march
 
-        mod = load(name=f"dspine_blockq_{key}", sources=[str(_SOURCE)], build_directory=str(build),
+        mod = load(name=f"dspine_blockq_{key}", sources=[str(_source_in(build))], build_directory=str(build),
                    extra_cflags=["-O3", f"-march={march()}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         _STATE["mod"], _STATE["why"] = mod, None
     except Exception as e:  # no compiler, no ninja, headers missing: the backend is not offered
