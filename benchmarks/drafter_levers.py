@@ -10,7 +10,9 @@ turns, one step each, in one process, every variant's CPU time counted on its ow
 compute under the same machine load. Each ``--variants`` entry is ``NAME:KEY=VALUE,...``
 with keys ``gamma`` (row weights), ``anchors`` (blocks per sequence), ``lr``, ``soft`` and
 ``sw`` (soft labels: the target's top-``soft`` distribution mixed into each row's CE with
-weight ``sw``, as ``dspine train --soft-labels K --soft-weight W``; 0: hard labels only), and the
+weight ``sw``, as ``dspine train --soft-labels K --soft-weight W``; 0: hard labels only), ``r1``
+and ``r1w`` (a dense row-1 term: ``r1`` more anchors per sequence trained on row 1 only, in
+two-row blocks, with weight ``r1w``; :func:`dspine.train.losses.row1_loss`), and the
 capacity keys ``layers`` (drafter depth), ``ffn`` (SwiGLU width) and ``scratch`` (1: a
 fresh random drafter of that shape instead of the start checkpoint). A deeper or wider
 variant that is not ``scratch`` is *grown* from the start checkpoint function-preserving
@@ -43,7 +45,7 @@ from drafter_diagnosis import drafter_rows, features, greedy_answers  # noqa: E4
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"gamma": float, "anchors": int, "lr": float, "layers": int, "ffn": int, "scratch": int, "soft": int,
-        "sw": float}
+        "sw": float, "r1": int, "r1w": float}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -51,7 +53,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"--variants {spec!r}: give NAME:KEY=VALUE,...")
-    opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4, "layers": 0, "ffn": 0, "scratch": 0, "soft": 0, "sw": 0.5}
+    opts = {"gamma": 7.0, "anchors": 24, "lr": 3e-4, "layers": 0, "ffn": 0, "scratch": 0, "soft": 0, "sw": 0.5,
+            "r1": 0, "r1w": 1.0}
     for kv in filter(None, rest.split(",")):
         k, eq, v = kv.partition("=")
         if k not in KEYS or not eq:
@@ -69,6 +72,9 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         elif k == "sw":
             if not 0 <= opts[k] <= 1:
                 raise ValueError(f"--variants {spec!r}: sw must be in [0, 1]")
+        elif k in ("r1", "r1w"):
+            if not (opts[k] >= 0 and math.isfinite(opts[k])):
+                raise ValueError(f"--variants {spec!r}: {k} must be >= 0 (r1 0: no dense row-1 term)")
         elif not (opts[k] > 0 and math.isfinite(opts[k])):
             raise ValueError(f"--variants {spec!r}: {k} must be a positive finite number")
     return name, opts
@@ -224,7 +230,8 @@ def main() -> int:
         params = [p for p in d.parameters() if p.requires_grad]
         runs[name] = dict(opts=opts, d=d, params=params, cpu=0.0, step=0, next_eval=0.0, curve=[], done=False,
                           opt=torch.optim.AdamW(params, lr=opts["lr"], weight_decay=0.01),
-                          gen=torch.Generator().manual_seed(0))
+                          gen=torch.Generator().manual_seed(0),
+                          gen1=torch.Generator().manual_seed(1))
     while not all(r["done"] for r in runs.values()):
         for name, r in runs.items():  # one step each, in turns
             if r["done"]:
@@ -234,6 +241,10 @@ def main() -> int:
                 pt = {"cpu_s": round(used, 1), "step": r["step"], **measure(r["d"])}
                 r["curve"].append(pt)
                 say(name, pt)
+                partial = {**res, "partial": True, "runs": {n: {"opts": x["opts"], "curve": x["curve"]}
+                                                            for n, x in runs.items()}}
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(partial, indent=1) + "\n")  # a stopped run keeps its points
                 r["next_eval"] += args.eval_every
                 if used >= args.budget:
                     r["done"] = True
@@ -258,8 +269,10 @@ def main() -> int:
                     n = min(T, tr_soft[i][0].shape[0])
                     s_ids[j, :n], s_p[j, :n] = tr_soft[i][0][:n, :k], tr_soft[i][1][:n, :k]
                 soft = (s_ids, s_p)
+            r1 = sample_anchors(batch, r["opts"]["r1"], r["gen1"]) if r["opts"]["r1"] else None
             out = drafter_losses(r["d"], feats, batch, anchors, r["opts"]["gamma"], vocab_subset=vocab,
-                                 soft=soft, soft_weight=r["opts"]["sw"])
+                                 soft=soft, soft_weight=r["opts"]["sw"], row1_anchors=r1,
+                                 row1_weight=r["opts"]["r1w"])
             r["opt"].zero_grad(set_to_none=True)
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(r["params"], 1.0)

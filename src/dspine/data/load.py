@@ -50,8 +50,11 @@ def load_dataset(data_dir: str | Path, target) -> list[Sequence]:
                          f"{theirs}), not for target {tgt.name!r} (tokenizer {fp['vocab_sha256'][:12]}){why}")
     if not man.get("complete", False):
         counts = man.get("counts") if isinstance(man.get("counts"), dict) else {}
-        print(f"note: {d} is an unfinished build ({counts.get('prompts', '?')} rows so far); "
-              f"using the rows written (finish it with `dspine data build ... --resume`)", file=sys.stderr)
+        runs = man.get("runs") if isinstance(man.get("runs"), list) else []
+        last = runs[-1] if runs and isinstance(runs[-1], dict) else {}
+        why = f"; its last run stopped at {last['stopped']}" if last.get("stopped") else ""
+        print(f"note: {d} is a partial build ({counts.get('prompts', '?')} rows of its prompt stream{why}); "
+              f"using the rows written (extend it with `dspine data build ... --resume`)", file=sys.stderr)
     verify_packed(d, man)
     seqs = []
     where: dict[str, str] = {}  # row id -> "shard, line N" of its first occurrence

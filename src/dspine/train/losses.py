@@ -164,7 +164,8 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
                    gamma: float, vocab_subset: torch.Tensor | None = None,
                    fs_weight: float = 1.0, denom: float | None = None,
                    soft: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   soft_weight: float = 0.5) -> dict[str, torch.Tensor]:
+                   soft_weight: float = 0.5, row1_anchors: torch.Tensor | None = None,
+                   row1_weight: float = 1.0) -> dict[str, torch.Tensor]:
     """Losses for one batch.
 
     feats [b, T, F*d] target features; anchors [b, nb]. ``soft``: the target's top-K per
@@ -174,6 +175,14 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
     ``acc1`` (row-1 top-1 accuracy of the continuous logits) and ``rows``.
     ``denom`` overrides the weight normaliser (data parallel: global weight sum / world
     size, so averaged gradients equal those of one process over the global batch).
+
+    ``row1_anchors`` [b, n1] int64 (optional): extra anchors trained on row 1 only, a
+    dense row-1 term as an EAGLE-style head is trained at every position. Each runs a
+    two-row block (the anchor and row 1; exact for a block-causal drafter, see
+    :meth:`DSpineDrafter.forward_blocks`) over the same context K/V; its continuous CE
+    and final-stage CE (mean over the supervised rows of this process) are added with
+    weight ``row1_weight``, and reported as ``r1``. Raises ValueError for a
+    bidirectional (DFlash-style) drafter, which cannot run two of its rows.
     """
     cfg = drafter.cfg
     B = cfg.block_size
@@ -212,8 +221,38 @@ def drafter_losses(drafter: DSpineDrafter, feats: torch.Tensor, batch: Batch, an
     fs = torch.zeros((), device=dev)
     if cfg.final_stage:
         fs = final_stage_loss(drafter, out, z.detach(), tgt, labels, x0, Hs, w, ok, cfg.head_topk, wsum)
-    return {"loss": ce + fs_weight * fs, "ce": ce.detach(), "fs": fs.detach(), "acc1": acc1,
-            "rows": ok.sum()}
+    loss = ce + fs_weight * fs
+    r1 = torch.zeros((), device=dev)
+    if row1_anchors is not None and row1_weight > 0:
+        r1 = row1_loss(drafter, ctx, pos, batch, row1_anchors, Hs, remap, fs_weight)
+        loss = loss + row1_weight * r1
+    return {"loss": loss, "ce": ce.detach(), "fs": fs.detach(), "acc1": acc1,
+            "rows": ok.sum(), "r1": r1.detach()}
+
+
+def row1_loss(drafter: DSpineDrafter, ctx, pos: torch.Tensor, batch: Batch, anchors: torch.Tensor,
+              Hs: torch.Tensor, remap: torch.Tensor | None, fs_weight: float = 1.0) -> torch.Tensor:
+    """Row-1 loss of two-row blocks at ``anchors`` [b, n1]: continuous CE plus
+    ``fs_weight`` times the final stage's K-way CE, each the mean over supervised rows.
+
+    ctx: the drafter's per-layer context K/V of the batch; pos [b, T]; Hs [Vs, d] the
+    (subset) head; remap [V] full id -> subset index (-100 outside) or None.
+    """
+    x0 = torch.gather(batch.ids, 1, anchors)
+    out = drafter.forward_blocks(x0, anchors, ctx, pos, batch.valid, rows=2)
+    labels = block_labels(batch, anchors, 2)[:, :, 1:]  # [b, n1, 1]
+    tgt = labels if remap is None else torch.where(labels >= 0, remap[labels.clamp_min(0)], labels)
+    z = drafter.norm_f(out.h[:, :, 1:]) @ Hs.to(out.h.dtype).T  # [b, n1, 1, Vs]
+    ok = tgt >= 0
+    n = ok.sum().clamp_min(1)
+    ce = (Fn.cross_entropy(z.float().reshape(-1, z.shape[-1]), tgt.reshape(-1), ignore_index=-100,
+                           reduction="none").view_as(tgt) * ok).sum() / n
+    if not drafter.cfg.final_stage:
+        return ce
+    w = torch.ones_like(tgt, dtype=torch.float32)
+    fs = final_stage_loss(drafter, out, z.detach(), tgt, labels, x0, Hs, w, ok, drafter.cfg.head_topk,
+                          n.float())
+    return ce + fs_weight * fs
 
 
 def final_stage_loss(drafter: DSpineDrafter, out, z: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
