@@ -159,6 +159,9 @@ def main() -> int:
                     help="do not charge each step the target forward of its sequences (charged by default: "
                          "CPU training computes features per step, so more anchors per sequence amortize it)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--save-dir", type=Path, default=None,
+                    help="save each variant's drafter at every evaluation to SAVE_DIR/NAME (its draft "
+                         "vocabulary copied from --init), to measure it in the engine (`dspine acceptance`)")
     args = ap.parse_args()
     try:
         variants = [parse_variant(v) for v in args.variants]
@@ -241,6 +244,8 @@ def main() -> int:
                 pt = {"cpu_s": round(used, 1), "step": r["step"], **measure(r["d"])}
                 r["curve"].append(pt)
                 say(name, pt)
+                if args.save_dir is not None:
+                    save_variant(r["d"], args.save_dir / name, init, pt)
                 partial = {**res, "partial": True, "runs": {n: {"opts": x["opts"], "curve": x["curve"]}
                                                             for n, x in runs.items()}}
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -289,22 +294,38 @@ def main() -> int:
     return 0
 
 
+def save_variant(d, out: Path, init: Path, point: dict) -> None:
+    """The drafter ``d`` as a checkpoint in ``out`` (bfloat16, as shipped), with the start
+    checkpoint's draft vocabulary and the evaluation point it was saved at."""
+    import shutil
+
+    from dspine.drafter.checkpoint import save_drafter
+
+    save_drafter(d, out)
+    if (init / "draft_vocab.json").is_file():
+        shutil.copy(init / "draft_vocab.json", out / "draft_vocab.json")
+    (out / "levers_point.json").write_text(json.dumps({"init": str(init), **point}, indent=1) + "\n")
+
+
 def plot(res: dict, path: Path) -> None:
-    """Implied chain τ (1 + rows 1-4) against CPU-seconds, code and chat side by side."""
+    """Implied chain τ (1 + rows 1-4, top) and row 1 alone (bottom) against CPU-seconds,
+    code and chat side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
-    for ax, k in zip(axes, ("code", "chat")):
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6.2), sharex=True)
+    for j, k in enumerate(("code", "chat")):
         for name, r in res["runs"].items():
-            ax.plot([p["cpu_s"] for p in r["curve"]], [p[f"tau_rows1to4_{k}"] for p in r["curve"]],
-                    marker="o", label=name)
-        ax.set_title(f"held-out {k}", fontsize=9)
-        ax.set_xlabel("CPU-seconds of training")
-    axes[0].set_ylabel("1 + rows 1-4 right (teacher-forced)")
-    axes[0].legend(fontsize=8)
+            xs = [p["cpu_s"] for p in r["curve"]]
+            axes[0, j].plot(xs, [p[f"tau_rows1to4_{k}"] for p in r["curve"]], marker="o", label=name)
+            axes[1, j].plot(xs, [p[f"rows_{k}"][0] for p in r["curve"]], marker="o", label=name)
+        axes[0, j].set_title(f"held-out {k}", fontsize=9)
+        axes[1, j].set_xlabel("CPU-seconds of training")
+    axes[0, 0].set_ylabel("1 + rows 1-4 right (teacher-forced)")
+    axes[1, 0].set_ylabel("row 1 right (teacher-forced)")
+    axes[0, 0].legend(fontsize=8)
     fig.suptitle(f"{res['machine']}, {res['date']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
