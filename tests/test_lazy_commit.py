@@ -91,3 +91,21 @@ def test_cycles_without_drafting_cost_no_drafter_work(tiny256, monkeypatch):
     drafted = sum(1 for c in range(1, pol.calls + 1) if c % 4 == 0)
     assert 0 < len(calls) == drafted  # one projection per drafting cycle, however many positions waited
     assert calls[0] >= 4  # the prompt and the plain steps before it, in one call
+
+
+def test_a_drafting_cycle_records_the_context_it_projected(tiny256, monkeypatch):
+    """A drafting cycle's record says how many earlier positions it projected and how long
+    that took (``context_rows`` / ``context_s``, part of ``draft_s``): the cost policy prices
+    a drafting cycle without the work owed by the plain steps before it
+    (:func:`dspine.control.policy.priced_time`)."""
+    prop = random_proposer(tiny256, "dspine", 4)
+    calls = []
+    real = prop.drafter.context_kv
+    monkeypatch.setattr(prop.drafter, "context_kv", lambda f, p: calls.append(f.shape[1]) or real(f, p))
+    cycles = []
+    Engine(tiny256, prop, "dspine", verify_policy=_Every(4)).generate(
+        [3, 4, 5, 6], SamplingConfig(), 12, on_cycle=lambda req: cycles.append(req.cycles[-1]))
+    drafting = [c for c in cycles if c.n > 0]
+    assert drafting and [c.context_rows for c in drafting] == calls  # each projected what waited
+    assert all(0 < c.context_s <= c.draft_s for c in drafting)
+    assert all(c.context_rows == 0 and c.context_s == 0.0 for c in cycles if c.n == 0)

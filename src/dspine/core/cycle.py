@@ -153,6 +153,7 @@ class Cycle:
         props = self.propose(reqs, ns0, starts)
         draft_s = sum(p.draft_s for p in props)
         final_s = sum(p.final_s for p in props)
+        context_s, context_rows = sum(p.context_s for p in props), sum(p.context_rows for p in props)
         t1 = time.perf_counter()
         inputs = [inputs_of(r.anchor, p) for r, p in zip(reqs, props)]
         logits, feats = tp.forward(reqs, inputs)
@@ -199,6 +200,7 @@ class Cycle:
         self.last = BatchCycle(len(reqs), draft_s, final_s, verify_s, total, emitted)
         for rec in recs:  # every request waited for the whole cycle: record its phases
             rec.draft_s, rec.final_s, rec.verify_s, rec.total_s = draft_s, final_s, verify_s + own_s, total
+            rec.context_s, rec.context_rows = context_s, context_rows
         if len(reqs) == 1 and recs:  # tree or chain is learned from lone cycles (their own time)
             ctl.observe_cycle(reqs[0])
         if bpol is not None:

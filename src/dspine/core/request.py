@@ -36,6 +36,10 @@ class CycleRecord:
     source: str = ""
     # nodes of the draft tree verified this cycle (0: a chain of n proposals); n is then its depth
     tree_nodes: int = 0
+    # of ``draft_s``: projecting the draft context of positions committed in earlier cycles
+    # (lazy commits, paid by whichever cycle drafts next), and how many positions
+    context_s: float = 0.0
+    context_rows: int = 0
 
 
 @dataclass

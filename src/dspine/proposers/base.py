@@ -47,6 +47,10 @@ class Proposal:
     draft_s: float = 0.0
     final_s: float = 0.0
     source: str = ""
+    # of ``draft_s``: projecting the draft context of positions committed in earlier cycles
+    # (deferred commits, DraftContextCache.flush), and how many positions that was
+    context_s: float = 0.0
+    context_rows: int = 0
     # a draft tree (dspine.trees.DraftTree) when the proposer made one (Proposer.propose_tree);
     # ``tokens`` / ``q_*`` are then the tree's nodes, not a chain
     tree: object = None

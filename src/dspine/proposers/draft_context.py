@@ -56,12 +56,15 @@ class DraftContextCache:
         self.pending, self._pending_n = [], 0
         return feats[-self.window:], pos[-self.window:]
 
-    def flush(self) -> None:
-        """Project and append whatever :meth:`defer` kept (no-op when nothing is pending)."""
+    def flush(self) -> int:
+        """Project and append whatever :meth:`defer` kept (no-op when nothing is pending).
+        Returns the number of positions projected."""
         items = self.pending_items()
-        if items is not None:
-            feats, pos = items
-            self.append(self._project(feats[None], pos[None]), pos)
+        if items is None:
+            return 0
+        feats, pos = items
+        self.append(self._project(feats[None], pos[None]), pos)
+        return int(pos.shape[0])
 
     def _grow(self, need: int, like: torch.Tensor) -> None:
         cap = 0 if self.pos is None else self.pos.shape[0]

@@ -172,6 +172,8 @@ class DrafterProposer(Proposer):
         d = self.drafter
         t0 = time.perf_counter()
         dev = d.fc.weight.device
+        k = state.flush()
+        context_s = time.perf_counter() - t0
         kv, cpos, cvalid = state.as_batch()
         a = torch.tensor([[anchor]], device=dev)
         # a block-causal drafter runs only the rows it proposes from (same values as the
@@ -179,18 +181,21 @@ class DrafterProposer(Proposer):
         rows = max(1, n + 1) if self.cfg.block_causal else None
         out = block_forward(d)(a, torch.tensor([[anchor_pos]], device=dev), kv, cpos, cvalid, rows=rows)
         t1 = time.perf_counter()
+        ctx = {"context_s": context_s, "context_rows": k}
         if n == 0:
-            return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0)
+            return Proposal(torch.zeros(0, dtype=torch.long), draft_s=t1 - t0, **ctx)
         if self.cfg.final_stage:
             copy, prior = self._prior_parts(state, anchor, n, copy)
             cand, T = self._tables(out, a, n, copy, bonus)  # [n, K], [n, K, K]
             ch = chain(T, cand, n, sampling, gen, prior=prior)
             t2 = time.perf_counter()
-            return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1)
+            return Proposal(ch.tokens.cpu(), ch.q_ids, ch.q_probs, draft_s=t1 - t0, final_s=t2 - t1, **ctx)
         if sampling.greedy and self.qhead is not None:  # argmax via the shared candidate pass
             toks = parallel_argmax(d, d.norm_f(out.h[0, 0, 1:n + 1]), self.qhead)
-            return Proposal(toks.cpu(), draft_s=time.perf_counter() - t0)
-        return dense_proposal(d.logits(out.h[0, 0, 1:n + 1]).float(), sampling, gen, t0)
+            return Proposal(toks.cpu(), draft_s=time.perf_counter() - t0, **ctx)
+        p = dense_proposal(d.logits(out.h[0, 0, 1:n + 1]).float(), sampling, gen, t0)
+        p.context_s, p.context_rows = context_s, k
+        return p
 
     def _tables(self, out, a: torch.Tensor, n: int, copy: list[int] | None = None,
                 bonus: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,6 +231,8 @@ class DrafterProposer(Proposer):
         d = self.drafter
         t0 = time.perf_counter()
         dev = d.fc.weight.device
+        k = state.flush()
+        context_s = time.perf_counter() - t0
         kv, cpos, cvalid = state.as_batch()
         a = torch.tensor([[anchor]], device=dev)
         rows = depth + 1 if self.cfg.block_causal else None
@@ -241,7 +248,8 @@ class DrafterProposer(Proposer):
         else:
             shape = spec.shape if spec.shape is not None else spec.sampled_shape
             tree = static_tree(T, cand, depth, shape, spec.budget, sampling, gen, prior=prior)
-        prop = Proposal(tree.tokens, tree.q_ids, tree.q_probs, draft_s=t1 - t0, final_s=time.perf_counter() - t1)
+        prop = Proposal(tree.tokens, tree.q_ids, tree.q_probs, draft_s=t1 - t0, final_s=time.perf_counter() - t1,
+                        context_s=context_s, context_rows=k)
         prop.tree = tree
         return prop
 
