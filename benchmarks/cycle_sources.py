@@ -32,7 +32,7 @@ def run_set(target, engine, kind: str, n: int, offset: int, tokens: int) -> dict
     from dspine.config import SamplingConfig
     from dspine.data.sources import heldout_prompts
 
-    agg: dict = defaultdict(lambda: [0, 0, 0.0])
+    agg: dict = defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
     for rec in heldout_prompts(kind, offset + n)[offset:]:
         ids = target.encode_prompt(rec["prompt"], chat=kind != "code")
         cycles = []
@@ -42,6 +42,10 @@ def run_set(target, engine, kind: str, n: int, offset: int, tokens: int) -> dict
             a[0] += 1
             a[1] += c.emitted - 1
             a[2] += c.total_s
+            a[3] += c.draft_s
+            a[4] += c.final_s
+            a[5] += c.verify_s
+            a[6] += getattr(c, "context_s", 0.0)
     return agg
 
 
@@ -72,17 +76,22 @@ def main() -> int:
         for kind in args.sets:
             agg = run_set(target, engine, kind, args.n, args.offset, args.max_new_tokens)
             rows = res["sets"].setdefault(kind, {})
-            for (src, n), (c, acc, s) in sorted(agg.items()):
+            for (src, n), (c, acc, s, ds, fs, vs, cs) in sorted(agg.items()):
                 key = "ar" if mode == "ar" else f"{src} n={n}"
                 rows[key] = {"cycles": c, "accepted_per_cycle": round(acc / c, 3), "ms_per_cycle": round(s / c * 1e3, 2),
-                             "tokens_per_ms": round((acc + c) / s / 1e3, 4)}
+                             "tokens_per_ms": round((acc + c) / s / 1e3, 4),
+                             # per cycle: the proposal (with the draft context it projected), the final
+                             # stage, the verification (with the engine's own per-request work)
+                             "draft_ms": round(ds / c * 1e3, 2), "context_ms": round(cs / c * 1e3, 2),
+                             "final_ms": round(fs / c * 1e3, 2), "verify_ms": round(vs / c * 1e3, 2)}
     for kind, rows in res["sets"].items():
         plain = rows["ar"]["tokens_per_ms"]
         print(f"{kind}: plain step {rows['ar']['ms_per_cycle']} ms")
         for key, r in rows.items():
             r["rate_over_plain"] = round(r["tokens_per_ms"] / plain, 3)
             print(f"  {key:12s} {r['cycles']:5d} cycles  accepted {r['accepted_per_cycle']:.2f}  "
-                  f"{r['ms_per_cycle']:6.2f} ms  rate {r['rate_over_plain']:.2f}x plain")
+                  f"{r['ms_per_cycle']:6.2f} ms (draft {r['draft_ms']:.2f}, of it context {r['context_ms']:.2f}; "
+                  f"final {r['final_ms']:.2f}; verify {r['verify_ms']:.2f})  rate {r['rate_over_plain']:.2f}x plain")
     res["load_1m_start"], res["load_1m_end"] = round(load0, 2), round(os.getloadavg()[0], 2)
     print(res["machine"], f"load {res['load_1m_start']} -> {res['load_1m_end']}")
     if args.out:
