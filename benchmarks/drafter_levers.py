@@ -249,7 +249,7 @@ def main() -> int:
                 partial = {**res, "partial": True, "runs": {n: {"opts": x["opts"], "curve": x["curve"]}
                                                             for n, x in runs.items()}}
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(partial, indent=1) + "\n")  # a stopped run keeps its points
+                Path(args.out).write_text(json.dumps(partial, indent=1, default=str) + "\n")  # a stopped run keeps its points
                 r["next_eval"] += args.eval_every
                 if used >= args.budget:
                     r["done"] = True
@@ -288,7 +288,7 @@ def main() -> int:
                           "curve": r["curve"]} for name, r in runs.items()}
     res["wall_s"] = round(time.time() - t_all, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
     print(json.dumps({k: v["curve"][-1] for k, v in res["runs"].items()}))
     return 0
