@@ -95,9 +95,8 @@ def test_cycles_without_drafting_cost_no_drafter_work(tiny256, monkeypatch):
 
 def test_a_drafting_cycle_records_the_context_it_projected(tiny256, monkeypatch):
     """A drafting cycle's record says how many earlier positions it projected and how long
-    that took (``context_rows`` / ``context_s``, part of ``draft_s``): the cost policy prices
-    a drafting cycle without the work owed by the plain steps before it
-    (:func:`dspine.control.policy.priced_time`)."""
+    that took (``context_rows`` / ``context_s``, part of ``draft_s``, which the cost policy
+    charges to that cycle: ``benchmarks/cycle_sources.py`` reports it per group)."""
     prop = random_proposer(tiny256, "dspine", 4)
     calls = []
     real = prop.drafter.context_kv

@@ -567,32 +567,3 @@ def test_a_plain_step_is_priced_from_every_sources_cycles():
     assert copy.pooled.cycles == 20  # its own cycles only
     assert n == 0  # (1 + 0.25) / 1.5 < 1 / 1.0: a plain step
 
-
-def test_a_drafting_cycle_is_not_charged_the_context_of_earlier_plain_steps(monkeypatch):
-    """The drafter's context commits are lazy: the positions of the plain steps before a
-    drafting cycle are projected in it. That work is owed whichever cycle drafts next, so
-    the policy charges a drafting cycle one position's share of it, not all of it: here a
-    drafting cycle took 1.3 plain steps plus 0.5 projecting 10 earlier positions, and
-    accepted its one proposal half of the time. Priced at 1.35 drafting wins (1.5 tokens
-    per 1.35 against 1 per 1.0); charged the whole 1.8 (negative control: the old pricing)
-    a plain step would."""
-    import dspine.control.policy as policy
-
-    def run():
-        curve = CostCurve([1.0, 1.3, 1.6, 1.9], draft_s=0.0)
-        pol = CostModelPolicy(curve, source="draft", explore_every=0, prior_accept=0.5,
-                              cost_half_life=float("inf"))
-        req = _Req()
-        for k in range(40):
-            c = _TimedCycle(0, 1, 1.0) if k % 2 else _TimedCycle(1, 2 if k % 4 == 0 else 1, 1.8)
-            c.source = "draft"
-            if c.n:
-                c.context_s, c.context_rows = 0.5, 10
-            req.cycles.append(c)
-        return pol(req, 1), pol.cycle_cost(1)
-
-    n, cost = run()
-    assert cost == pytest.approx(1.35) and n == 1
-    monkeypatch.setattr(policy, "priced_time", lambda c, parts: float(sum(parts)))
-    n, cost = run()
-    assert cost == pytest.approx(1.8) and n == 0

@@ -61,23 +61,6 @@ class _RequestState:
         self.last_explore = 0  # req.cycles consumed when a longer n was last explored
 
 
-def priced_time(c, parts) -> float:
-    """The time (s) the cost policy observes for a completed cycle ``c``: its drafting,
-    final stage and verification (``parts``), less the projection of draft-context
-    positions committed in earlier cycles beyond one position's share.
-
-    The drafter's context commits are lazy (:class:`dspine.proposers.draft_context.DraftContextCache`):
-    the positions of every plain step and copy are projected by the next cycle that drafts,
-    in one call costing a fixed part plus a part per position. That work is owed whichever
-    cycle drafts next, so charging all of it to the cycle that happened to draft made
-    drafting look dearer the longer the policy went without it (on a 2-core EPYC, ~2 ms of
-    a ~20 ms drafting cycle after ~11 plain steps). One position's share (the call's
-    fixed part, mostly) stays charged: drafting now rather than later adds one call.
-    """
-    ctx, k = float(getattr(c, "context_s", 0.0) or 0.0), int(getattr(c, "context_rows", 0) or 0)
-    return float(sum(parts)) - (ctx - ctx / k if k > 1 else 0.0)
-
-
 class CostModelPolicy(PricedController):
     """Choose n maximizing expected tokens per second (see the module docstring).
 
@@ -203,13 +186,17 @@ class CostModelPolicy(PricedController):
                 # source that mostly verifies (a one-token copy on chat) otherwise priced n = 0
                 # as the curve scaled by its own n = 1 overhead and took copies that lose
                 if timed and int(c.n) == 0:
-                    self.observe(0, priced_time(c, t))
+                    self.observe(0, float(sum(t)))
                 continue
+            # a drafting cycle's time includes projecting the draft context of the positions
+            # committed since the last one (lazy commits; ``c.context_s``): charging only one
+            # position's share of it made the defaults 0.95x / 0.98x (code / chat) on a Zen 4
+            # EPYC, drafting more where the drafter does not pay (docs/decisions.md)
             a = max(0, int(c.emitted) - 1)
             st.stats.update(int(c.n), a)
             self.pooled.update(int(c.n), a)
             if timed:
-                self.observe(int(c.n), priced_time(c, t))
+                self.observe(int(c.n), float(sum(t)))
         st.seen = len(req.cycles)
         return st
 
