@@ -65,3 +65,34 @@ def test_a_bidirectional_drafter_has_no_two_row_block():
     d.cfg.block_causal = False
     with pytest.raises(ValueError, match="bidirectional"):
         drafter_losses(d, feats, batch, anchors, 7.0, torch.arange(0, 256, 2), row1_anchors=anchors)
+
+
+def test_dspine_train_takes_the_dense_row1_term_and_resumes_it_exactly(tmp_path):
+    """``TrainConfig.row1_anchors`` (``dspine train --row1-anchors``): the step's loss gains
+    the term (reported as ``r1``), and a run stopped at step 3 and resumed continues it as if
+    never stopped (its anchors are drawn from the step's own seed). A DFlash-style drafter
+    is refused when the trainer is built."""
+    from dspine.target.adapter import load_target
+    from dspine.train.loop import Trainer
+    from test_train import _cfg, _seqs, _tc
+
+    tg = load_target("random:llama", vocab_size=256)
+    seqs = _seqs()
+    plain = Trainer(tg, _cfg(tg), seqs, tmp_path / "plain", _tc(steps=6, save_every=100, lr=1e-2))
+    dense = Trainer(tg, _cfg(tg), seqs, tmp_path / "dense", _tc(steps=6, save_every=100, lr=1e-2, row1_anchors=8))
+    p0, d0 = plain.train_step(), dense.train_step()
+    assert "r1" not in p0 and d0["r1"] > 0
+    assert d0["ce"] == pytest.approx(p0["ce"], rel=1e-5)  # the same weights and block anchors at step 1
+    assert d0["loss"] == pytest.approx(p0["loss"] + d0["r1"], rel=1e-5)
+    want = [d0["loss"]] + [dense.train_step()["loss"] for _ in range(5)]
+    a = Trainer(tg, _cfg(tg), seqs, tmp_path / "split", _tc(steps=6, save_every=100, lr=1e-2, row1_anchors=8))
+    got = [a.train_step()["loss"] for _ in range(3)]
+    a.save()
+    b = Trainer(tg, _cfg(tg), seqs, tmp_path / "split", _tc(steps=6, save_every=100, lr=1e-2, row1_anchors=8))
+    assert b.resume() and b.step == 3
+    got += [b.train_step()["loss"] for _ in range(3)]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    with pytest.raises(ValueError, match="row1-anchors"):
+        Trainer(tg, _cfg(tg, "dflash"), seqs, tmp_path / "df", _tc(row1_anchors=8))
+    with pytest.raises(ValueError, match="row1_weight"):
+        _tc(row1_anchors=8, row1_weight=float("nan"))

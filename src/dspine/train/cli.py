@@ -75,6 +75,12 @@ def cmd_train(args) -> int:
     elif args.rebuild_moments is not None:
         raise ValueError("--rebuild-moments applies to --continue-from only (it rebuilds the optimizer "
                          "state of a continued run)")
+    if args.row1_weight is not None and not args.row1_anchors:
+        raise ValueError("--row1-weight applies to the dense row-1 term only: add --row1-anchors N (e.g. 96) "
+                         "or drop --row1-weight")
+    if args.row1_anchors and args.mode != "dspine":
+        raise ValueError(f"--row1-anchors trains two-row blocks, which a --mode {args.mode} drafter (bidirectional "
+                         f"block) cannot run: use --mode dspine or leave it out")
     if args.soft_weight is not None and not args.soft_labels:
         raise ValueError("--soft-weight applies to soft labels only: add --soft-labels K (e.g. 8) or drop --soft-weight")
     device = resolve_device(args.device)
@@ -108,7 +114,8 @@ def cmd_train(args) -> int:
                      autocast_bf16=device.type == "cuda" if args.bf16_autocast is None else args.bf16_autocast,
                      memo_features=not args.no_memo_features, device=str(device),
                      soft_topk=args.soft_labels, soft_weight=0.5 if args.soft_weight is None else args.soft_weight,
-                     time_limit=args.time_limit or 0.0, gamma=args.gamma)
+                     time_limit=args.time_limit or 0.0, gamma=args.gamma, row1_anchors=args.row1_anchors,
+                     row1_weight=1.0 if args.row1_weight is None else args.row1_weight)
 
     def eval_fn(model):  # periodic signal: the target is in --feature-dtype while training
         return measure_acceptance(target, model, n=tc.eval_prompts, max_new_tokens=tc.eval_max_new_tokens)
@@ -339,6 +346,11 @@ def add_train_parser(sub) -> None:
                         "probabilities from the feature forward); 0 = hard labels only (default)")
     p.add_argument("--soft-weight", type=unit_float, default=None,
                    help="share of the soft-label CE in each row's CE with --soft-labels (default: 0.5)")
+    p.add_argument("--row1-anchors", type=nonneg_int, default=0, metavar="N",
+                   help="DSpine only: N more anchors per sequence trained on row 1 alone, a dense row-1 "
+                        "term (docs/decisions.md, 'A dense row-1 term'); 0 = off (default)")
+    p.add_argument("--row1-weight", type=nonneg_float, default=None,
+                   help="weight of the dense row-1 term with --row1-anchors (default: 1.0)")
     p.add_argument("--feature-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="dtype the target computes training features in; auto: bfloat16 with "
                         "--feature-store, else the faster of the two measured on this machine (cached)")

@@ -70,6 +70,8 @@ class TrainConfig:
     soft_topk: int = 0  # > 0: soft labels from the target's top-k (losses.py), 0 = hard labels only
     soft_weight: float = 0.5  # share of the soft-label CE in each row's CE when soft_topk > 0
     time_limit: float = 0.0  # seconds of this process's training after which it saves and stops (0 = none)
+    row1_anchors: int = 0  # > 0: this many more anchors per sequence trained on row 1 only (losses.row1_loss)
+    row1_weight: float = 1.0  # weight of that dense row-1 term
 
     def __post_init__(self) -> None:
         for f in ("steps", "batch_size", "anchors_per_seq", "max_len", "save_every"):
@@ -84,11 +86,15 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.min_lr_ratio (--min-lr-ratio) must be in [0, 1], got {self.min_lr_ratio}")
         if not self.soft_topk:  # unused without soft labels: one value, so resuming never trips on it
             self.soft_weight = 0.5
+        if not self.row1_anchors:  # likewise without the dense row-1 term
+            self.row1_weight = 1.0
+        if not (self.row1_weight >= 0 and math.isfinite(self.row1_weight)):
+            raise ValueError(f"TrainConfig.row1_weight (--row1-weight) must be a finite number >= 0, got {self.row1_weight}")
         if not (self.time_limit >= 0 and math.isfinite(self.time_limit)):
             raise ValueError(f"TrainConfig.time_limit (--time-limit) must be a finite number >= 0, got {self.time_limit}")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise ValueError(f"TrainConfig.soft_weight (--soft-weight) must be in [0, 1], got {self.soft_weight}")
-        for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts", "soft_topk"):
+        for f in ("warmup", "vocab_subset", "eval_every", "eval_prompts", "soft_topk", "row1_anchors"):
             if getattr(self, f) < 0:
                 raise ValueError(f"TrainConfig.{f} must be >= 0, got {getattr(self, f)}")
         if self.max_len < 4:
@@ -166,6 +172,9 @@ class Trainer(TrainerCheckpoints):
             raise ValueError(f"--vocab-subset {tc.vocab_subset} is smaller than the final stage's "
                              f"{drafter_cfg.head_topk} candidates per row; use at least {drafter_cfg.head_topk} "
                              f"or 0 (the whole vocabulary)")
+        if tc.row1_anchors and not drafter_cfg.block_causal:
+            raise ValueError("--row1-anchors trains two-row blocks, which a bidirectional (DFlash-style) drafter "
+                             "cannot run: use it with --mode dspine or leave it out")
         if tc.soft_topk > drafter_cfg.vocab_size:
             raise ValueError(f"--soft-labels {tc.soft_topk} exceeds the vocabulary ({drafter_cfg.vocab_size})")
         self.feature_store = feature_store  # optional FeatureStore (precomputed features)
@@ -272,7 +281,8 @@ class Trainer(TrainerCheckpoints):
         self.opt.step()
         self.step += 1
         return {"step": self.step, "lr": lr, "loss": float(losses["loss"].detach()), "ce": float(losses["ce"]),
-                "fs": float(losses["fs"]), "acc1": float(losses["acc1"]), "grad_norm": float(gn)}
+                "fs": float(losses["fs"]), "acc1": float(losses["acc1"]), "grad_norm": float(gn),
+                **({"r1": float(losses["r1"])} if self.tc.row1_anchors else {})}
 
     def gradients(self, step: int) -> tuple[dict, torch.Tensor]:
         """Clipped gradients (in ``p.grad``, averaged over ranks) of the loss on the batch of
@@ -289,6 +299,11 @@ class Trainer(TrainerCheckpoints):
         u = torch.rand(tc.batch_size, tc.anchors_per_seq, generator=gen, dtype=torch.float64)
         per = tc.batch_size // self.world
         anchors = sample_anchors(batch, tc.anchors_per_seq, None, u[self.rank * per:(self.rank + 1) * per])
+        row1 = None
+        if tc.row1_anchors:  # drawn from their own stream: the block anchors are those of a run without them
+            g1 = torch.Generator().manual_seed(tc.seed * 7919 + step * 31 + 1)
+            u1 = torch.rand(tc.batch_size, tc.row1_anchors, generator=g1, dtype=torch.float64)
+            row1 = sample_anchors(batch, tc.row1_anchors, None, u1[self.rank * per:(self.rank + 1) * per])
         feats = self.features(batch, idx)  # [b, T, F*d] float32 on the training device
         denom = None
         if self.world > 1:  # normalise by the global weight sum (exact data parallelism)
@@ -297,11 +312,13 @@ class Trainer(TrainerCheckpoints):
             dist.all_reduce(ws)
             denom = float(ws) / self.world
         batch, anchors = batch.to(self.device), anchors.to(self.device)
+        row1 = row1.to(self.device) if row1 is not None else None
         self.model.train()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.autocast_bf16):
             losses = drafter_losses(self.model, feats, batch, anchors, tc.gamma,
                                     None if self.subset is None else self.subset, tc.fs_weight, denom,
-                                    soft=self.last_soft, soft_weight=tc.soft_weight)
+                                    soft=self.last_soft, soft_weight=tc.soft_weight,
+                                    row1_anchors=row1, row1_weight=tc.row1_weight)
         self.opt.zero_grad(set_to_none=True)
         losses["loss"].backward()
         if self.world > 1:  # data parallel: average gradients over ranks (one flat all-reduce)
