@@ -503,6 +503,41 @@ def test_pack_resume_and_load(tiny, tmp_path):
     assert not list(out.glob("data-*.jsonl"))  # nothing written
 
 
+def test_head_copies_a_prefix_of_the_rows(tiny, tmp_path):
+    """`dspine data head DIR --shards N`: the first N packed shards as their own data directory,
+    whose rows are a prefix of the source's (so a run on it continues on the whole), counts
+    recounted; bad settings are refused by name and nothing is written."""
+    out = tmp_path / "ds"
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "a.jsonl", 5))], out, max_new_tokens=6, batch_size=2,
+                    progress=False)
+    ST.pack_dataset(out)
+    B.build_dataset(tiny, [str(_prompts(tmp_path / "b.jsonl", 8))], out, max_new_tokens=6, batch_size=3,
+                    resume=True, progress=False)
+    ST.pack_dataset(out)
+    full = [(s.id, s.input_ids) for s in DL.load_dataset(out, tiny)]
+    head = tmp_path / "head"
+    man = ST.head_dataset(out, 1, head)
+    got = [(s.id, s.input_ids) for s in DL.load_dataset(head, tiny)]
+    assert got == full[:5] and man["counts"]["prompts"] == 5 and not man["complete"]
+    assert man["counts"]["response_tokens"] == sum(len(i) for _, i in full[:5]) - man["counts"]["prompt_tokens"]
+    assert man["head_of"]["shards"] == 1 and man["head_of"]["counts"]["prompts"] == 8
+    assert sorted(p.name for p in head.iterdir()) == ["data-00000.jsonl.gz", "manifest.json"]
+    from dspine.cli.main import main
+
+    assert main(["data", "head", str(out), "--shards", "2", "--out", str(tmp_path / "h2")]) == 0
+    assert [(s.id, s.input_ids) for s in DL.load_dataset(tmp_path / "h2", tiny)] == full
+    assert main(["data", "head", str(out), "--shards", "0", "--out", str(tmp_path / "h0")]) == 2
+    with pytest.raises(ValueError, match=r"--shards 3: .* has 2 packed shards"):
+        ST.head_dataset(out, 3, tmp_path / "h3")
+    with pytest.raises(ValueError, match="--out .* is not empty"):
+        ST.head_dataset(out, 1, head)
+    (out / "data-00000.jsonl.gz").rename(out / "x")
+    (out / "data-00000.jsonl").write_bytes(b"")  # an unpacked shard in the prefix
+    with pytest.raises(ValueError, match="not listed|missing"):  # the manifest check speaks first
+        ST.head_dataset(out, 1, tmp_path / "h4")
+    assert not (tmp_path / "h3").exists() and not (tmp_path / "h4").exists()
+
+
 def test_pack_refuses_what_would_lose_rows(tiny, tmp_path):
     """pack never overwrites a packed shard, never drops a last row without a newline and
     refuses a directory whose packed shards differ from the manifest (nothing written)."""

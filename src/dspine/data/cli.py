@@ -1,4 +1,4 @@
-"""Command line of ``dspine data build|text|info`` (the dataset code is in :mod:`.build`,
+"""Command line of ``dspine data build|text|pack|vocab|head|info`` (the dataset code is in :mod:`.build`,
 :mod:`.store` and :mod:`.load`)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dspine.argtypes import nonneg_int, positive_float, positive_int, thread_count
 from dspine.data.build import build_dataset, parse_shard
-from dspine.data.store import MANIFEST, _data_dir, pack_dataset, read_manifest, verify_packed
+from dspine.data.store import MANIFEST, _data_dir, head_dataset, pack_dataset, read_manifest, verify_packed
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +63,12 @@ def _cmd_pack(args) -> int:
     man = pack_dataset(args.dir)
     print(json.dumps({"dir": str(args.dir), "shards": man["shards"], "packed_bytes": man.get("packed_bytes"),
                       "counts": man.get("counts")}))
+    return 0
+
+
+def _cmd_head(args) -> int:
+    man = head_dataset(args.dir, args.shards, args.out)
+    print(json.dumps({"out": str(args.out), "shards": man["shards"], "counts": man["counts"]}))
     return 0
 
 
@@ -125,6 +131,13 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
                                                                        "`dspine train --vocab-subset`)")
     vocab.add_argument("--target", default="smollm2-135m")
     vocab.set_defaults(func=_cmd_vocab)
+    head_help = ("copy the first N packed shards into a new data directory (a prefix of the rows: a "
+                 "training run on it continues on the whole directory with --resume / --continue-from)")
+    head = sub.add_parser("head", help=head_help, description=head_help[0].upper() + head_help[1:] + ".")
+    head.add_argument("dir", help="a packed `dspine data build` directory")
+    head.add_argument("--shards", type=positive_int, required=True, help="packed shards to copy, from the first")
+    head.add_argument("--out", required=True, help="new directory (must not exist or be empty)")
+    head.set_defaults(func=_cmd_head)
     info = sub.add_parser("info", help="print a data directory's manifest summary")
     info.add_argument("dir")
     info.set_defaults(func=_cmd_info)

@@ -255,3 +255,58 @@ def _parse_row(line: bytes, shard: Path, lineno: int) -> dict:
             raise ValueError(f"{shard}, line {lineno}: {k} must be a list of integer token ids, got "
                              f"{str(row.get(k))[:40]!r}; the data is damaged")
     return row
+
+
+def head_dataset(data_dir: str | Path, shards: int, out_dir: str | Path) -> dict:
+    """Copy the first ``shards`` packed shards of a data directory into a new one.
+
+    The copy is a prefix of the source's rows, so a `dspine train` run on it continues on the
+    whole directory (`--resume` / `--continue-from` accept data grown by appended rows), and
+    a feature store of the prefix (`dspine train-features --out ... --data OUT`) is a fraction
+    of the whole one's size. The manifest is the source's with ``packed`` / ``shards`` cut to
+    the copied shards, ``counts`` recounted over their rows (``prompts`` = rows, their prompt and response
+    tokens, ``finished``),
+    ``complete`` false and ``head_of`` naming the source and its counts.
+
+    Raises:
+        ValueError: the source is not a data directory, a packed shard is damaged, ``shards``
+            is not in 1..(packed shards), a plain (unpacked) shard lies inside the prefix, or
+            ``out_dir`` exists and is not empty (names the setting).
+    """
+    import shutil
+
+    src = _data_dir(data_dir)
+    man = read_manifest(src)
+    if man is None:
+        raise ValueError(f"{src} has no {MANIFEST}: not a dspine data directory")
+    verify_packed(src, man)
+    allsh = _all_shards(src)
+    packed = [p for p in allsh if p.name.endswith(".gz")]
+    if not 1 <= shards <= len(packed):
+        raise ValueError(f"--shards {shards}: {src} has {len(packed)} packed shards (choose 1..{len(packed)})")
+    head = allsh[:shards]
+    plain = [p.name for p in head if not p.name.endswith(".gz")]
+    if plain:
+        raise ValueError(f"--shards {shards}: {plain[0]} in {src} is not packed; run `dspine data pack {src}` first")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {"prompts": 0, "prompt_tokens": 0, "response_tokens": 0, "finished": 0}
+    for p in head:
+        shutil.copyfile(p, out / p.name)
+        for lineno, line in enumerate(_shard_bytes(p).splitlines(), 1):
+            row = _parse_row(line, p, lineno)
+            counts["prompts"] += 1
+            counts["prompt_tokens"] += len(row["prompt_ids"])
+            counts["response_tokens"] += len(row["response_ids"])
+            counts["finished"] += int(bool(row.get("finished", False)))
+    new = dict(man)
+    new["packed"] = {p.name: man["packed"][p.name] for p in head}
+    new["shards"] = [p.name for p in head]
+    new["packed_bytes"] = sum(v["bytes"] for v in new["packed"].values())
+    new["complete"] = False
+    new["counts"] = counts
+    new["head_of"] = {"dir": str(src), "shards": shards, "of_shards": len(allsh), "counts": man.get("counts")}
+    _write_json_atomic(out / MANIFEST, new)
+    return new
