@@ -5,8 +5,9 @@ Reads each run's ``metrics.jsonl`` (the periodic ``--eval-every`` records that
 seconds of training in that process, evaluations excluded) and, with ``--start NAME=DIR``,
 measures a run's starting checkpoint with the same settings as the periodic evaluation
 (``--eval-prompts`` prompts per set, 48 new tokens, greedy, the target in the runs' feature dtype, the drafter
-alone, chains verified whole, the candidate pass over all tokens), so that every curve starts at step 0. Writes a JSON file and a
-plot next to it.
+alone, chains verified whole, the candidate pass over all tokens), so that every curve starts at step 0. ``--reference NAME=DIR`` measures
+other checkpoints the same way and draws them as horizontal lines (the shipped drafter beside
+runs from scratch). Writes a JSON file and a plot next to it.
 
     python benchmarks/continuation_curve.py --runs dspine=runs/dspine dflash=runs/dflash \\
         --start dspine=src/dspine/checkpoints/smollm2-135m-dspine \\
@@ -84,11 +85,15 @@ def plot(res: dict, path: Path) -> None:
     for ax, s in zip(axes, ("code", "chat")):
         for name, pts in res["curves"].items():
             ax.plot([p["train_s"] / 60 for p in pts], [p[f"tau_{s}"] for p in pts], marker="o", label=name)
+        for i, (name, ref) in enumerate(res.get("references", {}).items()):
+            ax.axhline(ref[f"tau_{s}"], color=f"C{len(res['curves']) + i}", ls="--", lw=1,
+                       label=f"{name}: {ref[f'tau_{s}']:.3f}")
         ax.set_title(f"held-out {s}")
-        ax.set_xlabel("training minutes (1 thread each)")
+        ax.set_xlabel(res.get("xlabel") or "training minutes (1 thread each)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("tau, drafter alone (greedy chain, 48 tokens)")
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)
     fig.suptitle(res.get("title", ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -98,6 +103,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", required=True, metavar="NAME=DIR")
     ap.add_argument("--start", nargs="*", default=[], metavar="NAME=CHECKPOINT")
+    ap.add_argument("--reference", nargs="*", default=[], metavar="NAME=CHECKPOINT",
+                    help="checkpoints measured like the start points, drawn as horizontal lines (e.g. the "
+                         "shipped drafter beside runs from scratch)")
     ap.add_argument("--eval-prompts", type=int, default=16, help="the runs' --eval-prompts")
     ap.add_argument("--start-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the target's dtype in the runs' periodic evaluations: their --feature-dtype")
@@ -118,6 +126,12 @@ def main() -> int:
             print(f"measuring the start of {name} ({starts[name]}) ...", file=sys.stderr, flush=True)
             pts = [start_point(starts[name], args.eval_prompts, args.start_dtype)] + pts
         res["curves"][name] = pts
+    refs = dict(r.split("=", 1) for r in args.reference)
+    if refs:
+        res["references"] = {}
+        for name, ck in refs.items():
+            print(f"measuring the reference {name} ({ck}) ...", file=sys.stderr, flush=True)
+            res["references"][name] = start_point(ck, args.eval_prompts, args.start_dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
