@@ -44,7 +44,7 @@ def ngram_tables(data, V: int) -> tuple[np.ndarray, dict]:
     data: ``dspine.data.load`` sequences (input_ids, response_start)."""
     a, b, c = [], [], []
     for s in data:
-        r = np.asarray(s.input_ids[max(s.response_start - 1, 1) - 1:], dtype=np.int64)
+        r = np.asarray(s.input_ids[max(s.response_start - 2, 0):], dtype=np.int64)  # triples ending in the answer
         if r.size >= 3:
             a.append(r[:-2]); b.append(r[1:-1]); c.append(r[2:])
     a, b, c = np.concatenate(a), np.concatenate(b), np.concatenate(c)
