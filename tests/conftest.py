@@ -244,3 +244,16 @@ def run_cycles(engine: Engine, prompt_ids, sampling=None, max_new_tokens=32, sto
     while not req.finished:
         engine.step(req)
     return req
+
+
+def load_script(relpath: str):
+    """A repository script that is not a package module (``benchmarks/x.py``, ``scripts/y.py``)
+    imported by path, for tests of its functions."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,18 +1,14 @@
 """benchmarks/continuation_curve.py reads a train run's metrics into a learning curve."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("continuation_curve", ROOT / "benchmarks" / "continuation_curve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/continuation_curve.py")
 
 
 def _write(run: Path, recs: list[dict]) -> None:

@@ -1,16 +1,11 @@
 """benchmarks/drafter_ceiling.py: its n-gram tables and bucketed summary (nothing timed)."""
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("drafter_ceiling", ROOT / "benchmarks" / "drafter_ceiling.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/drafter_ceiling.py")
 
 
 def test_ngram_tables_keep_the_most_frequent_answer_continuation():

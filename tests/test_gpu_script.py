@@ -103,11 +103,10 @@ def test_stage_helpers_split_join_and_skip_answered_prompts(tmp_path):
     """scripts/gpu_stage.py: parts join back byte for byte; staged prompts leave out ids
     already answered (packed or growing shards) and read back with the same ids."""
     import gzip
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_stage", ROOT / "scripts" / "gpu_stage.py")
-    stage = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stage)
+    from conftest import load_script
+
+    stage = load_script("scripts/gpu_stage.py")
     blob = os.urandom(2500)
     (tmp_path / "t.gguf").write_bytes(blob)
     parts = stage.split_file(tmp_path / "t.gguf", tmp_path / "parts", 1000)
