@@ -84,12 +84,13 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, s in zip(axes, ("code", "chat")):
         for name, pts in res["curves"].items():
-            ax.plot([p["train_s"] / 60 for p in pts], [p[f"tau_{s}"] for p in pts], marker="o", label=name)
+            xs = [p["step"] for p in pts] if res.get("x") == "steps" else [p["train_s"] / 60 for p in pts]
+            ax.plot(xs, [p[f"tau_{s}"] for p in pts], marker="o", label=name)
         for i, (name, ref) in enumerate(res.get("references", {}).items()):
             ax.axhline(ref[f"tau_{s}"], color=f"C{len(res['curves']) + i}", ls="--", lw=1,
                        label=f"{name}: {ref[f'tau_{s}']:.3f}")
         ax.set_title(f"held-out {s}")
-        ax.set_xlabel(res.get("xlabel") or "training minutes (1 thread each)")
+        ax.set_xlabel("training steps" if res.get("x") == "steps" else "training minutes (1 thread each)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("tau, drafter alone (greedy chain, 48 tokens)")
     axes[0].legend(fontsize=8)
@@ -109,6 +110,9 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=16, help="the runs' --eval-prompts")
     ap.add_argument("--start-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the target's dtype in the runs' periodic evaluations: their --feature-dtype")
+    ap.add_argument("--x", choices=["time", "steps"], default="time",
+                    help="the plot's x axis: training minutes (the runs' wall_s; equal load assumed) or steps "
+                         "(where the machine's load changed during the runs)")
     ap.add_argument("--title", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -119,7 +123,7 @@ def main() -> int:
     from dspine.tune.machine import describe
 
     res = {"machine": describe(), "date": time.strftime("%Y-%m-%d"), "args": vars(args), "title": args.title,
-           "curves": {}}
+           "x": args.x, "curves": {}}
     for name, d in runs.items():
         pts = read_curve(Path(d))
         if name in starts:

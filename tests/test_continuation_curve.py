@@ -51,6 +51,6 @@ def test_the_plot_is_written(tmp_path):
 def test_references_are_drawn_beside_the_curves(tmp_path):
     cc = _module()
     pts = [{"step": s, "train_s": 60.0 * s, "tau_code": 1.5, "tau_chat": 1.4} for s in (0, 1)]
-    cc.plot({"curves": {"a": pts}, "references": {"shipped": {"tau_code": 1.6, "tau_chat": 1.55}}},
+    cc.plot({"curves": {"a": pts}, "references": {"shipped": {"tau_code": 1.6, "tau_chat": 1.55}}, "x": "steps"},
             tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 1000
